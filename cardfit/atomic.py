@@ -1,0 +1,59 @@
+"""Write-to-temp-then-rename, so an interrupted run never leaves a half-written output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import CardfitError
+
+
+def _check_parent(path: Path) -> None:
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CardfitError(f"cannot create directory {parent} ({exc.strerror})", "choose a writable --out") from None
+    if not os.access(parent, os.W_OK):
+        raise CardfitError(f"cannot write to {parent}", "choose a writable --out")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary file path beside `path`; rename over it only on success."""
+    path = Path(path)
+    _check_parent(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path):
+    """Yield a temporary directory beside `path`; it becomes `path` only on success."""
+    path = Path(path)
+    _check_parent(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_json(path: str | Path, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")

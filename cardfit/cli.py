@@ -1,0 +1,104 @@
+"""The `cardfit` command line: one subcommand per pipeline stage, each a thin wrapper over the API."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from .errors import CardfitError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fit an open LLM into a fixed memory ceiling with the least quality lost, and prove it.")
+_state = {"debug": False}
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
+    _state["debug"] = debug
+
+
+@app.command("budget")
+def budget_command(
+    vram: str = typer.Option(..., help="Memory ceiling, e.g. 24GiB, 6GB, 512MiB or bytes."),
+    context: int = typer.Option(8192, help="Context length in tokens per sequence."),
+    config: Optional[str] = typer.Option(None, "--config", "--model",
+                                         help="config.json, model directory, .gguf or cached hub id "
+                                              "(default: the embedded model)."),
+    batch: int = typer.Option(1, help="Concurrent sequences whose KV cache must fit."),
+    kv_dtype: str = typer.Option("f16", help="KV cache dtype: f16, bf16, fp8 (vLLM), q8_0, q4_0 (llama.cpp)."),
+    runtime: str = typer.Option("llama.cpp", help="llama.cpp or vllm."),
+    cuda_context: Optional[str] = typer.Option(None, help="Override the CUDA context size of the overhead model."),
+    gpu_memory_utilization: float = typer.Option(0.9, help="vLLM's gpu_memory_utilization."),
+    flash_attention: bool = typer.Option(True, help="llama.cpp flash attention (off adds the K·Q buffer)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """VRAM minus KV cache minus runtime overhead = the weight budget."""
+    from .budget import budget, no_fit_message, render_budget
+    from .overhead import OverheadSettings
+    from .units import parse_bytes
+
+    settings = OverheadSettings(
+        cuda_context=parse_bytes(cuda_context, "--cuda-context") if cuda_context else None,
+        gpu_memory_utilization=gpu_memory_utilization, flash_attention=flash_attention)
+    result = budget(config, vram, context, batch, kv_dtype, runtime, settings)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        typer.echo(render_budget(result))
+    if result.fits_any is False:
+        raise CardfitError(no_fit_message(result.weight_budget_bytes, result.sizes["minimum_bytes"][runtime]),
+                           "raise --vram, lower --context, or choose a smaller model")
+
+
+@app.command("sizes")
+def sizes_command(
+    model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or hub id (default: embedded)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Bytes of the model as stored and at each uniform format, exactly as the formats lay them out."""
+    from .sizes import size_report
+    from .sources import open_model
+    from .units import format_bytes
+
+    report = size_report(open_model(model))
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    typer.echo(f"parameters {report.parameters:,}; as stored {format_bytes(report.stored_bytes)}")
+    for name, size in report.uniform.items():
+        typer.echo(f"  {name:<11} {format_bytes(size):>11}  ({size * 8 / report.parameters:.3f} bits/weight)")
+    for runtime, size in report.minimum.items():
+        typer.echo(f"  minimum for {runtime}: {format_bytes(size)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except CardfitError as exc:
+        if _state["debug"]:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        return 2
+    except KeyboardInterrupt:
+        typer.echo("interrupted; finished work is saved and --resume continues it", err=True)
+        return 130
+    except Exception as exc:  # click's usage errors carry their own exit code
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            return 2
+        if isinstance(exc, click.exceptions.Exit):
+            return exc.exit_code
+        if isinstance(exc, click.exceptions.Abort):
+            return 130
+        raise
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""What every weight format knows: its exact bytes for a tensor and its round trip.
+
+A format is applied to a tensor by name and shape, because runtimes treat tensors
+differently: llama.cpp keeps 1-D tensors in F32 and falls back to a 32-block type when a
+row is not a multiple of 256; vLLM keeps embeddings and lm_head unquantized. `storage`
+says what a tensor actually becomes, so scan prices, plan counts and pack writes the same
+thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Calibration:
+    """Per-tensor calibration statistics a data-aware rounding may use.
+
+    imatrix  mean squared activation per input column (llama.cpp's importance matrix)
+    hessian  X^T X / n over calibration tokens, (in, in), for GPTQ
+    act_mean mean |activation| per input column, for AWQ's scale search
+    inputs   a sample of the tensor's inputs (tokens, in), for AWQ's loss
+    """
+
+    imatrix: torch.Tensor | None = None
+    hessian: torch.Tensor | None = None
+    act_mean: torch.Tensor | None = None
+    inputs: torch.Tensor | None = None
+
+
+class Format:
+    name: str
+    runtime: str  # "llama.cpp", "vllm", or "reference" (comparison rows only)
+    bits: float  # nominal bits per weight of a quantized 2-D tensor, for display and ordering
+
+    def storage(self, name: str, shape: tuple[int, ...]) -> str:
+        """The concrete storage type this tensor gets under this format."""
+        raise NotImplementedError
+
+    def tensor_bytes(self, name: str, shape: tuple[int, ...]) -> int:
+        raise NotImplementedError
+
+    def roundtrip(self, name: str, weight: torch.Tensor, calibration: Calibration | None = None,
+                  method: str = "rtn") -> torch.Tensor:
+        """The weight as the runtime will compute with it after this format stores it."""
+        raise NotImplementedError
+
+    def methods(self) -> tuple[str, ...]:
+        return ("rtn",)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

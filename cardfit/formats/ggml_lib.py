@@ -1,0 +1,122 @@
+"""ctypes binding to ggml's own quantizers inside llama-cpp-python's shared library.
+
+Pricing a layer with anything but the quantizer llama.cpp itself runs would make the
+sensitivity map lie, so cardfit calls `ggml_quantize_chunk` and the type traits'
+`to_float` directly instead of reimplementing k-quants.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CardfitError
+
+# enum ggml_type (ggml.h); stable across releases, checked against ggml_type_name at load.
+GGML_TYPES = {
+    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+    "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30,
+}
+_LOWER_NAMES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+
+class _TypeTraits(ctypes.Structure):
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+_LOCK = threading.Lock()
+
+
+@lru_cache(maxsize=1)
+def ggml() -> ctypes.CDLL:
+    try:
+        import llama_cpp
+    except ImportError:
+        raise CardfitError("llama-cpp-python is not installed, so GGUF formats are unavailable",
+                           "pip install llama-cpp-python") from None
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    candidates = sorted(lib_dir.glob("libggml-base.*")) + sorted(lib_dir.glob("libggml.*"))
+    for candidate in candidates:
+        try:
+            lib = ctypes.CDLL(str(candidate), mode=ctypes.RTLD_GLOBAL)
+            lib.ggml_quantize_chunk  # noqa: B018 - probe the symbol
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
+        raise CardfitError(f"no ggml library with ggml_quantize_chunk under {lib_dir}",
+                           "reinstall llama-cpp-python")
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
+    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    lib.ggml_type_name.restype = ctypes.c_char_p
+    lib.ggml_type_name.argtypes = [ctypes.c_int]
+    for name, value in GGML_TYPES.items():
+        actual = lib.ggml_type_name(value).decode()
+        if actual.upper() != name:
+            raise CardfitError(f"this ggml numbers type {value} as {actual}, not {name}",
+                               "install a llama-cpp-python release cardfit supports")
+    return lib
+
+
+def traits(type_name: str) -> _TypeTraits:
+    return ggml().ggml_get_type_traits(GGML_TYPES[type_name]).contents
+
+
+def row_size(type_name: str, n_per_row: int) -> int:
+    return int(ggml().ggml_row_size(GGML_TYPES[type_name], n_per_row))
+
+
+def requires_imatrix(type_name: str) -> bool:
+    return bool(ggml().ggml_quantize_requires_imatrix(GGML_TYPES[type_name]))
+
+
+def quantize(type_name: str, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """llama.cpp's quantization of a (nrows, n_per_row) f32 matrix -> the raw block bytes."""
+    src = np.ascontiguousarray(rows, dtype=np.float32)
+    nrows, n_per_row = src.shape
+    out = np.empty(nrows * row_size(type_name, n_per_row), dtype=np.uint8)
+    imat = None
+    if imatrix is not None:
+        imat = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if imat.shape != (n_per_row,):
+            raise ValueError(f"imatrix has {imat.shape}, expected ({n_per_row},)")
+    with _LOCK:  # ggml_quantize_init's tables are global
+        written = ggml().ggml_quantize_chunk(
+            GGML_TYPES[type_name], src.ctypes.data, out.ctypes.data, 0, nrows, n_per_row,
+            None if imat is None else imat.ctypes.data)
+    if written != out.nbytes:
+        raise RuntimeError(f"ggml wrote {written} bytes for {type_name}, expected {out.nbytes}")
+    return out
+
+
+def dequantize(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """The f32 values llama.cpp reads back from raw block bytes."""
+    t = traits(type_name)
+    nrows, n_per_row = shape
+    out = np.empty(shape, dtype=np.float32)
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    if t.to_float is None:
+        raise CardfitError(f"ggml has no dequantizer for {type_name}", "choose another format")
+    fn = _TO_FLOAT(t.to_float)
+    fn(raw.ctypes.data, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), nrows * n_per_row)
+    return out

@@ -1,0 +1,105 @@
+"""A Hugging Face model directory read through safetensors memory maps."""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..architecture import geometry_from_config, load_config
+from ..errors import CardfitError
+from .base import DTYPE_BYTES, ModelSource, TensorInfo, group_of
+
+INDEX = "model.safetensors.index.json"
+
+
+class HfDirectorySource(ModelSource):
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config = load_config(self.path)
+        self.geometry = geometry_from_config(self.config, source=str(self.path / "config.json"))
+        self._handles: dict[Path, object] = {}
+        self._shards = self._find_shards()
+
+    def _find_shards(self) -> dict[str, Path]:
+        """tensor name -> shard file; validated so that a missing shard fails here, not mid-scan."""
+        index = self.path / INDEX
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (ValueError, KeyError, TypeError):
+                raise CardfitError(f"{index} is not a safetensors index (no weight_map)",
+                                   "restore the model's original index file") from None
+            shards = {name: self.path / file for name, file in weight_map.items()}
+            for file in sorted(set(shards.values())):
+                if not file.exists():
+                    raise CardfitError(f"{index.name} names shard {file.name}, which is missing",
+                                       "download the missing shard or restore the directory")
+            return shards
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")) or list(self.path.glob("*.pth")):
+                raise CardfitError(f"{self.path} holds only pickle checkpoints (.bin/.pt), which cardfit never loads",
+                                   "convert them to safetensors first (e.g. transformers save_pretrained "
+                                   "with safe_serialization=True on a trusted machine)")
+            raise CardfitError(f"no *.safetensors weights in {self.path}",
+                               "point at a model directory with config.json and safetensors shards")
+        shards = {}
+        for file in files:
+            for name in self._open(file).keys():
+                shards[name] = file
+        return shards
+
+    def _open(self, file: Path):
+        handle = self._handles.get(file)
+        if handle is None:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise CardfitError(f"{file} is not a readable safetensors file ({exc})",
+                                   "re-download or re-save the shard") from None
+            self._handles[file] = handle
+        return handle
+
+    @cached_property
+    def _infos(self) -> list[TensorInfo]:
+        infos = []
+        for name, file in self._shards.items():
+            handle = self._open(file)
+            try:
+                view = handle.get_slice(name)
+            except Exception:
+                raise CardfitError(f"{file.name} does not contain tensor {name} named by the index",
+                                   "restore the model's original shards") from None
+            shape = tuple(view.get_shape())
+            dtype = view.get_dtype()
+            numel = 1
+            for d in shape:
+                numel *= d
+            infos.append(TensorInfo(name, shape, dtype, numel * DTYPE_BYTES.get(dtype, 4), group_of(name)))
+        for file in set(self._shards.values()):
+            self._check_length(file, [i for i in infos if self._shards[i.name] == file])
+        return infos
+
+    @staticmethod
+    def _check_length(file: Path, infos: list[TensorInfo]) -> None:
+        """A truncated shard has a valid header but too few data bytes; catch it before reading."""
+        with open(file, "rb") as fh:
+            header = int.from_bytes(fh.read(8), "little")
+        expected = 8 + header + sum(i.nbytes for i in infos)
+        actual = file.stat().st_size
+        if actual < expected:
+            raise CardfitError(f"{file} is truncated ({actual} of {expected} bytes)",
+                               "re-download or re-save the shard")
+
+    def tensors(self) -> list[TensorInfo]:
+        return self._infos
+
+    def read(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        if name not in self._shards:
+            raise KeyError(name)
+        tensor = self._open(self._shards[name]).get_tensor(name)
+        return tensor if dtype is None else tensor.to(dtype)

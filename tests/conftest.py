@@ -1,0 +1,59 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=False)
+    elif kind == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=True)
+    elif kind == "gemma3":
+        config = Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=32,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    else:
+        raise ValueError(kind)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float16)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: _save_tiny(kind, root / kind) for kind in ("llama", "qwen2", "gemma3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_sharded(tmp_path_factory):
+    return _save_tiny("llama", tmp_path_factory.mktemp("sharded") / "llama", shard="60KB")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from cardfit.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture()
+def run_cli(capsys):
+    from cardfit.cli import main
+
+    def run(*args):
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
