@@ -14,7 +14,7 @@ GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4
 
 def _build() -> dict[str, Format]:
     formats: dict[str, Format] = {name: GgmlFormat(name) for name in GGUF_TYPES}
-    for fmt in (IntGroupFormat(8, -1), IntGroupFormat(4, 128), IntGroupFormat(4, 128, symmetric=False),
+    for fmt in (IntGroupFormat(8, -1), IntGroupFormat(8, 128), IntGroupFormat(4, 128), IntGroupFormat(4, 128, symmetric=False),
                 IntGroupFormat(4, 64), IntGroupFormat(4, 32), IntGroupFormat(3, 128), IntGroupFormat(2, 128),
                 DenseFormat("BF16-dense"), Nf4Format(), Int8RowFormat()):
         formats[fmt.name] = fmt
@@ -50,7 +50,7 @@ __all__ = ["FORMATS", "RUNTIME_FORMATS", "runtime_formats", "GGUF_TYPES", "GGML_
 # W2A16 are priced for study but never planned for vLLM.
 RUNTIME_FORMATS = {
     "llama.cpp": GGUF_TYPES,
-    "vllm": ("BF16-dense", "W8A16", "W4A16-g128", "W4A16-g128-asym", "W4A16-g64", "W4A16-g32"),
+    "vllm": ("BF16-dense", "W8A16", "W8A16-g128", "W4A16-g128", "W4A16-g128-asym", "W4A16-g64", "W4A16-g32"),
 }
 
 

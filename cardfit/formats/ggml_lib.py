@@ -111,10 +111,12 @@ def quantize(type_name: str, rows: np.ndarray, imatrix: np.ndarray | None = None
 
 def dequantize(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     """The f32 values llama.cpp reads back from raw block bytes."""
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    if type_name == "F32":
+        return raw.view(np.float32).reshape(shape).copy()
     t = traits(type_name)
     nrows, n_per_row = shape
     out = np.empty(shape, dtype=np.float32)
-    raw = np.ascontiguousarray(data, dtype=np.uint8)
     if t.to_float is None:
         raise CardfitError(f"ggml has no dequantizer for {type_name}", "choose another format")
     fn = _TO_FLOAT(t.to_float)

@@ -50,7 +50,7 @@ class GgmlFormat(Format):
         return ggml_tensor_bytes(self.storage(name, shape), shape)
 
     def methods(self) -> tuple[str, ...]:
-        return ("rtn", "imatrix")
+        return ("rtn", "imatrix", "awq")
 
     def quantize(self, name: str, weight: torch.Tensor, calibration: Calibration | None = None,
                  method: str = "rtn") -> tuple[str, np.ndarray]:
@@ -68,6 +68,19 @@ class GgmlFormat(Format):
 
     def roundtrip(self, name: str, weight: torch.Tensor, calibration: Calibration | None = None,
                   method: str = "rtn") -> torch.Tensor:
+        if method == "awq" and self.storage(name, tuple(weight.shape)) != "F32":
+            from ..quant import awq_search
+
+            if calibration is None or calibration.inputs is None:
+                from ..errors import CardfitError
+
+                raise CardfitError("AWQ needs calibration inputs", "pass --calibration TEXT or use --method rtn")
+            w = weight.detach().to(torch.float32)
+            scale = awq_search([w], calibration.inputs, lambda m: self._roundtrip(name, m, None, "rtn"))
+            return self._roundtrip(name, w * scale, None, "rtn") / scale
+        return self._roundtrip(name, weight, calibration, method)
+
+    def _roundtrip(self, name, weight, calibration, method) -> torch.Tensor:
         from . import ggml_lib
 
         storage, raw = self.quantize(name, weight, calibration, method)

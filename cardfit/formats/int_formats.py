@@ -5,7 +5,8 @@ Arithmetic follows compressed-tensors' `calculate_qparams`: symmetric scale = ab
 (max - min) / (2^b - 1) over a range that always contains 0, zero point = qmin -
 round(min / scale). Storage is the "pack-quantized" layout: int32 words of packed
 values, one scale per (row, group) in the model's dtype, zero points packed along rows,
-and the original shape as int64.
+and the original shape as int64. Scales are rounded to float16, the dtype of the default
+model (compressed-tensors stores them in the model's dtype; pass `scale_dtype` for bf16 models).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class DenseFormat(Format):
 class IntGroupFormat(Format):
     runtime = "vllm"
 
-    def __init__(self, bits: int, group_size: int, symmetric: bool = True, scale_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, bits: int, group_size: int, symmetric: bool = True, scale_dtype: torch.dtype = torch.float16):
         self.num_bits = bits
         self.group_size = group_size  # -1: one group per output channel
         self.symmetric = symmetric
@@ -59,15 +60,30 @@ class IntGroupFormat(Format):
         self.bits = float(bits)
 
     # -- layout -----------------------------------------------------------------------------------------
+    def resolve(self, shape: tuple[int, ...]) -> "IntGroupFormat":
+        """The format this tensor really gets: compressed-tensors refuses a group size that does
+        not divide the row, so we fall back to the next group size vLLM's kernels serve
+        (128 -> 64 -> 32 -> per channel), as llama.cpp falls back for k-quants."""
+        in_f = shape[-1]
+        size = self.group_size
+        while size != -1 and in_f % size:
+            size = {128: 64, 64: 32}.get(size, -1)
+        if size == self.group_size:
+            return self
+        return IntGroupFormat(self.num_bits, size, self.symmetric, self.scale_dtype)
+
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else math.ceil(in_features / self.group_size)
 
     def storage(self, name, shape):
-        return self.name if is_decoder_linear(name, shape) else "BF16"
+        return self.resolve(shape).name if is_decoder_linear(name, shape) else "BF16"
 
     def tensor_bytes(self, name, shape):
         if not is_decoder_linear(name, shape):
             return numel(shape) * 2
+        return self.resolve(shape)._packed_bytes(shape)
+
+    def _packed_bytes(self, shape):
         out_f, in_f = shape
         g = self.groups(in_f)
         size = out_f * math.ceil(in_f * self.num_bits / 32) * 4  # weight_packed, int32
@@ -138,6 +154,6 @@ class IntGroupFormat(Format):
         from ..quant import quantize_int
 
         q, scale, zero, input_scale = quantize_int(self, weight, calibration, method)
-        w = self.dequantize(q, scale, zero)
+        w = self.resolve(tuple(weight.shape)).dequantize(q, scale, zero)
         # AWQ stores Q(W * s) and divides s out of the activations; the effective weight is Q(W * s) / s.
         return w if input_scale is None else w / input_scale

@@ -1,0 +1,51 @@
+"""A device-memory cap that the quantizers honour by construction and measure as they go.
+
+Every tensor a quantizer places on the compute device goes through `DeviceArena.put`,
+which counts its bytes against the cap and records the peak; `free` gives them back. The
+peak is therefore a measurement of what the algorithm actually held, on CPU or CUDA alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CardfitError
+
+
+class DeviceArena:
+    def __init__(self, device: str | torch.device = "cpu", cap_bytes: int | None = None):
+        self.device = torch.device(device)
+        self.cap = cap_bytes
+        self.current = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def reserve(self, nbytes: int) -> None:
+        if self.cap is not None and self.current + nbytes > self.cap:
+            raise CardfitError(
+                f"quantizer needs {(self.current + nbytes) / 2**20:.1f} MiB on {self.device}, over the "
+                f"{self.cap / 2**20:.1f} MiB --memory-cap", "raise --memory-cap or use smaller column blocks")
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def put(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or tensor.dtype
+        nbytes = tensor.numel() * torch.empty((), dtype=dtype).element_size()
+        self.reserve(nbytes)
+        out = tensor.to(self.device, dtype=dtype, copy=True)
+        self._sizes[id(out)] = nbytes
+        return out
+
+    def zeros(self, shape, dtype=torch.float32) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        self.reserve(nbytes)
+        out = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._sizes[id(out)] = nbytes
+        return out
+
+    def free(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self.current -= self._sizes.pop(id(t), 0)

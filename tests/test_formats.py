@@ -1,0 +1,119 @@
+"""Formats: exact bytes, and GGUF tensors bit-identical to llama.cpp's own quantize."""
+
+import numpy as np
+import pytest
+import torch
+
+from cardfit.formats import FORMATS, GGML_BLOCKS, Calibration, get_format, ggml_lib
+from cardfit.formats.gguf_formats import GgmlFormat
+
+PURE_TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS"]  # + Q5_0, Q5_1, Q8_0, Q4_0, IQ4_NL as fallbacks
+IMATRIX_TENSORS = ("blk.0.ffn_down.weight", "blk.2.attn_q.weight", "token_embd.weight")
+
+
+def test_block_table_matches_ggml_type_traits():
+    for name, (block, size) in GGML_BLOCKS.items():
+        traits = ggml_lib.traits(name)
+        assert (traits.blck_size, traits.type_size) == (block, size), name
+        assert ggml_lib.row_size(name, block * 3) == 3 * size
+
+
+def test_tensor_bytes_match_the_real_packaged_gguf():
+    import gguf
+
+    from cardfit.default_model import default_gguf
+
+    reader = gguf.GGUFReader(str(default_gguf()))
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        # llama.cpp's Q4_1 mix stores the tied token embedding as Q8_0; every other tensor is Q4_1 or F32.
+        fmt = GgmlFormat("Q8_0" if t.name == "token_embd.weight" else "Q4_1")
+        assert fmt.storage(t.name, shape) == t.tensor_type.name, t.name
+        assert fmt.tensor_bytes(t.name, shape) == t.n_bytes, t.name
+
+
+@pytest.fixture(scope="module")
+def packaged():
+    import gguf
+
+    from cardfit.default_model import default_gguf
+
+    path = default_gguf()
+    reader = gguf.GGUFReader(str(path))
+    return path, {t.name: t for t in reader.tensors}
+
+
+def _source_values(tensor):
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+    return torch.from_numpy(ggml_lib.dequantize(tensor.tensor_type.name, raw, (int(np.prod(shape[:-1])), shape[-1]))
+                            ).reshape(shape)
+
+
+@pytest.mark.parametrize("type_name", PURE_TYPES)
+def test_bit_identical_to_llama_cpp_quantize_on_real_tensors(type_name, packaged, tmp_path):
+    """llama.cpp requantizes the packaged Q4_1 model (dequantize to f32, quantize again, with an
+    imatrix for three tensors); every tensor cardfit produces from the same f32 values and
+    imatrix must carry the same type (fallbacks included) and the same bytes."""
+    import gguf
+
+    from cardfit.shelf import llama_quantize
+
+    path, source = packaged
+    rng = np.random.default_rng(0)
+    imatrix = {name: (rng.random(int(source[name].shape[0])) + 0.05).astype(np.float32) for name in IMATRIX_TENSORS}
+    out = llama_quantize(path, tmp_path / f"{type_name}.gguf", type_name, pure=True, imatrix=imatrix)
+    produced = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    fmt = get_format(type_name)
+    names = list(IMATRIX_TENSORS) + ["blk.0.attn_norm.weight", "blk.5.ffn_up.weight", "blk.7.attn_k.weight",
+                                     "blk.29.ffn_down.weight"]
+    for name in names:
+        values = _source_values(source[name])
+        calibration = Calibration(imatrix=torch.from_numpy(imatrix[name])) if name in imatrix else None
+        storage, raw = fmt.quantize(name, values, calibration, "imatrix" if calibration else "rtn")
+        theirs = produced[name]
+        assert storage == theirs.tensor_type.name, (name, storage, theirs.tensor_type.name)
+        assert np.array_equal(raw, np.asarray(theirs.data).reshape(-1).view(np.uint8)), name
+        assert fmt.tensor_bytes(name, tuple(values.shape)) == theirs.n_bytes
+
+
+def test_imatrix_changes_rounding_and_lowers_weighted_error():
+    torch.manual_seed(0)
+    w = torch.randn(64, 512)
+    importance = torch.rand(512) ** 4 * 100
+    fmt = get_format("Q3_K")
+    plain = fmt.roundtrip("blk.0.ffn_up.weight", w)
+    weighted = fmt.roundtrip("blk.0.ffn_up.weight", w, Calibration(imatrix=importance), "imatrix")
+    err = lambda q: float((((q - w) ** 2) * importance).sum())
+    assert not torch.equal(plain, weighted)
+    assert err(weighted) < err(plain)
+
+
+@pytest.mark.parametrize("shape,expected", [
+    ((64, 512), "Q4_K"), ((64, 576), "Q5_0"), ((64, 100), "F16"), ((576,), "F32"), ((8, 576), "Q5_0")])
+def test_edge_shapes_fall_back_like_llama_cpp(shape, expected):
+    fmt = get_format("Q4_K")
+    assert fmt.storage("blk.0.ffn_up.weight", shape) == expected
+    w = torch.randn(shape)
+    out = fmt.roundtrip("blk.0.ffn_up.weight", w)
+    assert out.shape == w.shape
+    if expected == "F32":
+        assert torch.equal(out, w)
+
+
+def test_roundtrip_error_shrinks_with_bits():
+    torch.manual_seed(1)
+    w = torch.randn(32, 1024)
+    errors = [float(((get_format(t).roundtrip("blk.0.ffn_up.weight", w) - w) ** 2).mean())
+              for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")]
+    assert errors == sorted(errors, reverse=True)
+
+
+def test_registry_names_resolve():
+    assert get_format("W4A16").name == "W4A16-g128"
+    assert get_format("q8_0").name == "Q8_0"
+    from cardfit.errors import CardfitError
+
+    with pytest.raises(CardfitError):
+        get_format("Q7_X")
+    assert {f.runtime for f in FORMATS.values()} == {"llama.cpp", "vllm", "reference"}
