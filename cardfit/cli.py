@@ -74,6 +74,35 @@ def sizes_command(
         typer.echo(f"  minimum for {runtime}: {format_bytes(size)}")
 
 
+@app.command("scan")
+def scan_command(
+    model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
+    calibration: Optional[str] = typer.Option(None, help="UTF-8 prose (default: the bundled calibration text)."),
+    max_tokens: int = typer.Option(8192, help="Calibration tokens to measure over."),
+    formats: str = typer.Option("Q8_0,Q6_K,Q4_K,Q3_K,Q2_K", help="Comma-separated formats of one runtime."),
+    group_by: str = typer.Option("layer", help="layer or tensor."),
+    out: str = typer.Option("sensitivity.json", help="Where the map is written (atomically, after every cell)."),
+    resume: bool = typer.Option(False, help="Continue a partial map at --out."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    memory_cap: Optional[str] = typer.Option(None, help="Memory for cached activations; beyond it they go to disk."),
+    rounding: str = typer.Option("rtn", help="Rounding each cell uses: rtn, imatrix, gptq, awq."),
+    seq_len: int = typer.Option(512, help="Tokens per calibration chunk."),
+    batch: int = typer.Option(4, help="Chunks per forward."),
+):
+    """Damage of every layer group at every format: the sensitivity map."""
+    from .scan import scan
+    from .units import parse_bytes
+
+    cap = parse_bytes(memory_cap, "--memory-cap") if memory_cap else None
+    result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding, seq_len,
+                  batch, progress=True)
+    cells = sum(len(g["cells"]) for g in result["groups"])
+    typer.echo(f"scanned {len(result['groups'])} groups x {len(result['formats'])} formats = {cells} cells over "
+               f"{result['calibration']['tokens']} tokens -> {out}")
+    for warning in result["warnings"]:
+        typer.echo(f"warning: {warning}", err=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:
@@ -102,3 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

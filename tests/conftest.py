@@ -8,11 +8,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
+    """A random model of a real architecture, with SmolLM2's tokenizer so text can be fed to it."""
+    import shutil
+
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
+    from cardfit.default_model import default_model_dir
+
     torch.manual_seed(0)
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=False)
@@ -26,6 +34,8 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     model = AutoModelForCausalLM.from_config(config).to(torch.float16)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir() / name, path / name)
     return path
 
 
@@ -37,7 +47,7 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_sharded(tmp_path_factory):
-    return _save_tiny("llama", tmp_path_factory.mktemp("sharded") / "llama", shard="60KB")
+    return _save_tiny("llama", tmp_path_factory.mktemp("sharded") / "llama", shard="2MB")
 
 
 @pytest.fixture(scope="session")

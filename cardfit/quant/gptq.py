@@ -52,8 +52,10 @@ def gptq_quantize(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, block_siz
     upper, _ = inverse_hessian_factor(h_host, damp)
     del h_host
 
-    # Group parameters come from the original column grouping (static groups), so the
-    # stored layout is the standard one and needs no g_idx.
+    # Without act-order, a group's scale is chosen when the sweep reaches it, from the
+    # error-updated weights (the reference GPTQ behaviour). With act-order, groups take
+    # their parameters from the original weights (static groups), so the stored layout
+    # stays the standard one and needs no g_idx.
     n_groups = fmt.groups(in_f)
     group_of_col = torch.zeros(in_f, dtype=torch.long) if fmt.group_size == -1 else torch.arange(in_f) // fmt.group_size
     scales = torch.empty(out_f, n_groups)
@@ -68,7 +70,9 @@ def gptq_quantize(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, block_siz
         if perm is not None:
             w_rows = w_rows[:, perm]
         cols_group = group_of_col if perm is None else group_of_col[perm]
-        q_rows = _sweep(fmt, w_rows, upper, s_rows, z_rows, cols_group, block_size, arena)
+        dynamic = perm is None and fmt.group_size != -1
+        q_rows, s_rows, z_rows = _sweep(fmt, w_rows, upper, s_rows, z_rows, cols_group, block_size, arena, dynamic)
+        scales[r0:r1], zeros[r0:r1] = s_rows, z_rows
         if perm is not None:
             inv = torch.argsort(perm)
             q_rows = q_rows[:, inv]
@@ -97,7 +101,8 @@ def _static_group_params(fmt, w_rows: torch.Tensor, n_groups: int):
     return torch.cat(s, dim=1), torch.cat(z, dim=1)
 
 
-def _sweep(fmt, w_rows, upper, scales, zeros, cols_group, block_size, arena: DeviceArena) -> torch.Tensor:
+def _sweep(fmt, w_rows, upper, scales, zeros, cols_group, block_size, arena: DeviceArena,
+           dynamic: bool = False) -> torch.Tensor:
     rows, in_f = w_rows.shape
     w = arena.put(w_rows)
     s_dev = arena.put(scales)
@@ -111,6 +116,15 @@ def _sweep(fmt, w_rows, upper, scales, zeros, cols_group, block_size, arena: Dev
         err = arena.zeros((rows, i2 - i1), torch.float32)
         q_block = arena.zeros((rows, i2 - i1), torch.float32)
         for j in range(i2 - i1):
+            if dynamic and (i1 + j) % fmt.group_size == 0:
+                g0 = i1 + j
+                if g0 + fmt.group_size <= i2:
+                    part = w_block[:, j:j + fmt.group_size]
+                else:  # the group runs past this block: take its later columns from w
+                    part = w[:, g0:g0 + fmt.group_size]
+                s_new, z_new = fmt.qparams(part)
+                g = int(cols_group[g0])
+                s_dev[:, g], z_dev[:, g] = s_new[:, 0], z_new[:, 0]
             col = w_block[:, j]
             g = int(cols_group[i1 + j])
             scale, zero = s_dev[:, g], z_dev[:, g]
@@ -124,5 +138,6 @@ def _sweep(fmt, w_rows, upper, scales, zeros, cols_group, block_size, arena: Dev
             w[:, i2:] -= err @ u_rows[:, i2 - i1:]
         q_out[:, i1:i2] = q_block.to("cpu", torch.int8)
         arena.free(u_rows, err, q_block)
+    s_out, z_out = s_dev.cpu(), z_dev.cpu()
     arena.free(w, s_dev, z_dev)
-    return q_out
+    return q_out, s_out, z_out

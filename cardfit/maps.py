@@ -1,0 +1,62 @@
+"""Reading and validating sensitivity maps (the JSON `scan` writes; schema in docs/formats.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .errors import CardfitError
+
+
+def read_map(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CardfitError(f"no sensitivity map at {path}", "run cardfit scan first")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CardfitError(f"{path} is not valid JSON ({exc})", "re-run cardfit scan") from None
+    validate_map(data, str(path))
+    return data
+
+
+def validate_map(data, where: str = "map") -> None:
+    def bad(problem):
+        raise CardfitError(f"{where}: {problem}", "re-run cardfit scan; do not edit maps by hand")
+
+    if not isinstance(data, dict) or data.get("cardfit_map") != 1:
+        bad("not a cardfit sensitivity map (version 1)")
+    formats = data.get("formats")
+    if not isinstance(formats, list) or not formats or not all(isinstance(f, str) for f in formats):
+        bad("formats missing")
+    groups = data.get("groups")
+    if not isinstance(groups, list) or not groups:
+        bad("groups missing")
+    seen = set()
+    for g in groups:
+        if not isinstance(g, dict) or not isinstance(g.get("name"), str):
+            bad("a group has no name")
+        if g["name"] in seen:
+            bad(f"group {g['name']} appears twice")
+        seen.add(g["name"])
+        sizes = g.get("bytes")
+        if not isinstance(sizes, dict):
+            bad(f"group {g['name']} has no bytes")
+        for f in formats:
+            size = sizes.get(f)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                bad(f"group {g['name']} has invalid bytes {size!r} for {f}")
+        cells = g.get("cells")
+        if not isinstance(cells, dict):
+            bad(f"group {g['name']} has no cells")
+        for f, cell in cells.items():
+            if f not in formats or not isinstance(cell, dict):
+                bad(f"group {g['name']} has a cell for unknown format {f!r}")
+            damage = cell.get("damage")
+            if not isinstance(damage, (int, float)) or isinstance(damage, bool) or not math.isfinite(damage) \
+                    or damage < 0:
+                bad(f"group {g['name']} @ {f} has invalid damage {damage!r}")
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("fingerprint"), str):
+        bad("model fingerprint missing")

@@ -1,0 +1,84 @@
+"""Distances between output distributions, accumulated chunk by chunk.
+
+KL(P_ref || P_q) per token in nats, top-1 agreement, and negative log-likelihood, from
+logits; everything is computed in float32 via log_softmax (tested against float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def token_kl(ref_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(P_ref || P_q) for every position (nats), shape = logits.shape[:-1]."""
+    ref = torch.log_softmax(ref_logits.to(torch.float32), dim=-1)
+    q = torch.log_softmax(q_logits.to(torch.float32), dim=-1)
+    return torch.sum(torch.exp(ref) * (ref - q), dim=-1).clamp_min(0)
+
+
+def token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token negative log-likelihood for positions 0..T-2."""
+    logp = torch.log_softmax(logits[..., :-1, :].to(torch.float32), dim=-1)
+    target = input_ids[..., 1:].to(logp.device)
+    return -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class DistanceMeter:
+    """Running KL / top-1 / NLL over chunks; per-chunk means give the standard error."""
+
+    kl_sum: float = 0.0
+    top1_sum: float = 0.0
+    nll_sum: float = 0.0
+    ref_nll_sum: float = 0.0
+    tokens: int = 0
+    nll_tokens: int = 0
+    chunk_kl: list[float] = field(default_factory=list)
+    kl_values: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, ref_logits: torch.Tensor, q_logits: torch.Tensor, input_ids: torch.Tensor | None = None,
+            keep_values: bool = False) -> None:
+        kl = token_kl(ref_logits, q_logits)
+        agree = (ref_logits.argmax(-1) == q_logits.argmax(-1)).to(torch.float32)
+        self.kl_sum += float(kl.sum())
+        self.top1_sum += float(agree.sum())
+        self.tokens += kl.numel()
+        for row in kl.reshape(-1, kl.shape[-1]):
+            self.chunk_kl.append(float(row.mean()))
+        if keep_values:
+            self.kl_values.append(kl.reshape(-1).cpu())
+        if input_ids is not None:
+            self.nll_sum += float(token_nll(q_logits, input_ids).sum())
+            self.ref_nll_sum += float(token_nll(ref_logits, input_ids).sum())
+            self.nll_tokens += input_ids[..., 1:].numel()
+
+    @property
+    def kl(self) -> float:
+        return self.kl_sum / max(self.tokens, 1)
+
+    @property
+    def kl_stderr(self) -> float:
+        n = len(self.chunk_kl)
+        if n < 2:
+            return float("nan")
+        values = torch.tensor(self.chunk_kl, dtype=torch.float64)
+        return float(values.std(unbiased=True) / n ** 0.5)
+
+    @property
+    def top1(self) -> float:
+        return self.top1_sum / max(self.tokens, 1)
+
+    @property
+    def perplexity(self) -> float:
+        return float(torch.exp(torch.tensor(self.nll_sum / max(self.nll_tokens, 1))))
+
+    @property
+    def ref_perplexity(self) -> float:
+        return float(torch.exp(torch.tensor(self.ref_nll_sum / max(self.nll_tokens, 1))))
+
+    def kl_quantile(self, q: float) -> float:
+        if not self.kl_values:
+            return float("nan")
+        return float(torch.quantile(torch.cat(self.kl_values).to(torch.float64), q))

@@ -1,0 +1,131 @@
+"""Quantize a whole model layer by layer, the way GPTQ/AWQ calibrate: each layer sees the
+inputs that the already-quantized layers before it produce.
+
+Statistics per Linear (Hessian X^T X / n, imatrix mean x^2, a sample of inputs for AWQ)
+are gathered by forward hooks while the layer computes, so only one decoder layer and its
+statistics are resident. Linears that read the same input tensor (q/k/v; gate/up) share
+one AWQ scale, which is what lets the scale be folded into the preceding norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..formats import Calibration, Format
+from ..sources import EMBED, LM_HEAD
+from .awq import awq_search
+
+
+class _LinearStats:
+    def __init__(self, stream, names: list[str], method: str, awq_samples: int, seed: int = 0):
+        self.method = method
+        self.hessian: dict[str, torch.Tensor] = {}
+        self.sq: dict[str, torch.Tensor] = {}
+        self.count: dict[str, int] = {}
+        self.samples: dict[str, list[torch.Tensor]] = {}
+        self.input_ids: dict[str, int] = {}
+        self.shared: dict[int, list[str]] = {}
+        self.awq_samples = awq_samples
+        self._gen = torch.Generator().manual_seed(seed)
+        self._hooks = []
+        self._first = True
+        self._alive: list[torch.Tensor] = []
+        for name in names:
+            module = stream.model.get_submodule(name.rsplit(".", 1)[0])
+            self._hooks.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def record(module, args, output):
+            x = args[0]
+            if self._first:  # keep x alive so no later tensor can reuse its id during this batch
+                self._alive.append(x)
+                self.shared.setdefault(id(x), []).append(name)
+            x = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+            self.count[name] = self.count.get(name, 0) + x.shape[0]
+            if self.method == "gptq":  # only what the method reads: X^T X is the costly one
+                self.hessian[name] = self.hessian.get(name, 0) + x.T @ x
+            if self.method == "imatrix":
+                self.sq[name] = self.sq.get(name, 0) + (x * x).sum(dim=0)
+            if self.method == "awq":
+                take = torch.randperm(x.shape[0], generator=self._gen)[: max(1, self.awq_samples // 8)]
+                self.samples.setdefault(name, []).append(x[take.to(x.device)].cpu())
+
+        return record
+
+    def end_first_batch(self) -> None:
+        self._first = False
+        self._alive.clear()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def calibration(self, name: str) -> Calibration:
+        n = self.count[name]
+        inputs = torch.cat(self.samples[name])[: self.awq_samples] if self.samples.get(name) else None
+        imatrix = (self.sq[name] / n).cpu() if name in self.sq else None
+        hessian = (self.hessian[name] / n).cpu() if name in self.hessian else None
+        return Calibration(imatrix=imatrix, hessian=hessian, inputs=inputs)
+
+    def input_groups(self) -> list[list[str]]:
+        return list(self.shared.values())
+
+
+@torch.no_grad()
+def quantize_model(stream, chunks: torch.Tensor, format_for: Callable[[str], Format | None], method: str = "rtn",
+                   batch: int = 4, awq_samples: int = 4096, progress: Callable[[str], None] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """Effective (dequantized) weights by tensor name for every tensor `format_for` assigns a format.
+
+    `method` is rtn, gptq, awq or imatrix; formats that do not take a method fall back to
+    the closest they do (imatrix on integer formats is rtn; gptq on GGUF types is imatrix).
+    """
+    overrides: dict[str, torch.Tensor] = {}
+    hidden = [stream.embed(chunks[i:i + batch]) for i in range(0, len(chunks), batch)]
+    for index in range(len(stream.layers)):
+        group = f"layers.{index}"
+        names = [t.name for t in stream.groups[group] if len(t.shape) == 2 and format_for(t.name) is not None]
+        with stream.resident(group):
+            stats = _LinearStats(stream, names, method, awq_samples, seed=index)
+            try:
+                for j, h in enumerate(hidden):
+                    stream.run_layer(index, h)
+                    if j == 0:
+                        stats.end_first_batch()
+            finally:
+                stats.close()
+            for shared in stats.input_groups():
+                _quantize_shared(stream, shared, stats, format_for, method, overrides)
+        with stream.resident(group, overrides):
+            hidden = [stream.run_layer(index, h) for h in hidden]
+        if progress:
+            progress(group)
+    for group in (EMBED, LM_HEAD):
+        for t in stream.groups.get(group, []):
+            fmt = format_for(t.name)
+            if fmt is not None:
+                overrides[t.name] = fmt.roundtrip(t.name, stream.source.read(t.name), None, "rtn")
+    return overrides
+
+
+def _method_for(fmt: Format, method: str) -> str:
+    if method in fmt.methods():
+        return method
+    return {"imatrix": "rtn", "gptq": "imatrix" if "imatrix" in fmt.methods() else "rtn"}.get(method, "rtn")
+
+
+def _quantize_shared(stream, names, stats, format_for, method, overrides) -> None:
+    weights = {n: stream.source.read(n) for n in names}
+    chosen = {n: _method_for(format_for(n), method) for n in names}
+    if all(chosen[n] == "awq" for n in names) and len({format_for(n).name for n in names}) == 1:
+        fmt = format_for(names[0])
+        x = stats.calibration(names[0]).inputs
+        scale = awq_search([weights[n] for n in names], x,
+                           lambda m, n0=names[0]: fmt.roundtrip(n0, m, None, "rtn"))
+        for n in names:
+            overrides[n] = fmt.roundtrip(n, weights[n] * scale, None, "rtn") / scale
+        return
+    for n in names:
+        overrides[n] = format_for(n).roundtrip(n, weights[n], stats.calibration(n), chosen[n])

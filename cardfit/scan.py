@@ -1,0 +1,313 @@
+"""Stage 2: the sensitivity map — damage of every layer group at every format.
+
+Damage of cell (g, f) = mean over calibration tokens of KL(P_ref || P_q), the next-token
+distributions of the unquantized model and of the model with only group g stored in
+format f (the format's real quantizer). The reference pass runs once and caches the input
+of every layer group, so a cell re-runs only from its group onward. The map is written
+atomically after every cell; `resume` continues a partial map, and the result is the same
+bytes as an uninterrupted scan (no timings or paths that vary are stored in it).
+
+Cost model, L decoder layers, T calibration tokens: the reference pass is L layer-forwards
+and one head per token; a cell at layer i costs (L - i) layer-forwards and two heads (the
+reference logits are recomputed from the cached final hidden state rather than stored,
+which would take T x vocab x 4 bytes); an embedding cell costs L layer-forwards and two
+heads; an lm_head cell two heads. Per format: L(L+1)/2 + L layer-forwards and 2(L+2) heads
+per token, plus one layer-forward per group to gather GPTQ/AWQ/imatrix statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .activations import ActivationCache
+from .atomic import write_json
+from .errors import CardfitError
+from .formats import Calibration, Format, parse_formats
+from .metrics import DistanceMeter, token_nll
+from .sources import EMBED, LM_HEAD, NORM, ModelSource, open_model
+from .text import load_text, text_hash, token_chunks
+
+MAP_VERSION = 1
+ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
+
+
+@dataclass
+class Group:
+    name: str
+    tensors: list  # TensorInfo
+    start: int  # first decoder layer to re-run; -1 embedding, L = head only
+
+    @property
+    def quantizable(self) -> list:
+        return [t for t in self.tensors if len(t.shape) >= 2]
+
+
+def scan_groups(source: ModelSource, group_by: str) -> list[Group]:
+    """Groups in forward order; a tied lm_head is the embedding and is priced once, with it."""
+    if group_by not in ("layer", "tensor"):
+        raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
+    layers = source.geometry.num_layers
+    out = []
+    for name, tensors in source.groups().items():
+        if name == LM_HEAD and source.tied_embeddings:
+            continue
+        start = -1 if name == EMBED else layers if name in (NORM, LM_HEAD) else int(name.split(".")[1])
+        if name.startswith("layers.") and group_by == "tensor":
+            out += [Group(t.name, [t], start) for t in tensors if len(t.shape) >= 2]
+            fixed = [t for t in tensors if len(t.shape) < 2]
+            if fixed:
+                out.append(Group(f"{name}.fixed", fixed, start))
+        else:
+            out.append(Group(name, tensors, start))
+    return out
+
+
+def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Tensor, formats: list[Format],
+               group_by: str, rounding: str) -> dict:
+    runtimes = {f.runtime for f in formats}
+    if len(runtimes) > 1:
+        raise CardfitError("formats mix runtimes (" + ", ".join(sorted(runtimes)) + ")",
+                           "scan GGUF types and vLLM formats into separate maps")
+    return {
+        "cardfit_map": MAP_VERSION,
+        "model": {"fingerprint": source.fingerprint(), "model_type": source.geometry.model_type,
+                  "name": source.path.name, "tied_embeddings": source.tied_embeddings,
+                  "num_layers": source.geometry.num_layers},
+        "calibration": {"sha256": text_hash(text), "source": text_path.name, "tokens": int(chunks.numel()),
+                        "seq_len": int(chunks.shape[1]), "chunks": int(chunks.shape[0])},
+        "damage": {"metric": "mean KL(P_ref || P_q), nats per token", "method": "exact"},
+        "rounding": rounding,
+        "group_by": group_by,
+        "runtime": runtimes.pop(),
+        "formats": [f.name for f in formats],
+    }
+
+
+def _same_job(a: dict, b: dict) -> bool:
+    keys = ("cardfit_map", "model", "calibration", "damage", "rounding", "group_by", "runtime", "formats")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+class _Scanner:
+    def __init__(self, source, stream, chunks, batch, cache: ActivationCache, rounding: str):
+        self.source, self.stream, self.chunks, self.batch = source, stream, chunks, batch
+        self.cache, self.rounding = cache, rounding
+        self.batches = [chunks[i:i + batch] for i in range(0, len(chunks), batch)]
+        self.layers = len(stream.layers)
+        vocab = stream.model.config.vocab_size
+        self.keep_reference = cache.budget is None or chunks.numel() * vocab * 4 <= cache.budget
+        self.ref_logits: dict[int, torch.Tensor] = {}
+        self.current_overrides: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def reference(self) -> DistanceMeter:
+        """One pass, layer-major (each layer's weights read once), caching every group's input."""
+        meter = DistanceMeter()
+        with self.stream.resident(EMBED):
+            hidden = [self.stream.embed(ids) for ids in self.batches]
+        for i in range(self.layers):
+            with self.stream.resident(f"layers.{i}"):
+                for b, h in enumerate(hidden):
+                    self.cache.put(i, b, h)
+                    hidden[b] = self.stream.run_layer(i, h)
+        for b, h in enumerate(hidden):
+            self.cache.put(self.layers, b, h)
+        with self._head():
+            for b, (ids, h) in enumerate(zip(self.batches, hidden)):
+                logits = self.stream.logits(h)
+                if self.keep_reference:
+                    self.ref_logits[b] = logits
+                meter.nll_sum += float(token_nll(logits, ids).sum())
+                meter.nll_tokens += ids[:, 1:].numel()
+        return meter
+
+    def _head(self, overrides=None):
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        head = EMBED if self.stream.tied else LM_HEAD
+        for g in (NORM, head):
+            stack.enter_context(self.stream.resident(g, overrides))
+        return stack
+
+    def calibration(self, group: Group) -> dict[str, Calibration]:
+        """Statistics the rounding needs for each tensor of the group, from reference inputs."""
+        if self.rounding == "rtn" or group.start < 0 or group.start >= self.layers:
+            return {}
+        from .quant.model import _LinearStats
+
+        names = [t.name for t in group.quantizable]
+        layer = f"layers.{group.start}"
+        with self.stream.resident(layer):
+            stats = _LinearStats(self.stream, names, self.rounding, awq_samples=4096)
+            try:
+                for b in range(len(self.batches)):
+                    self.stream.run_layer(group.start, self.cache.get(group.start, b))
+            finally:
+                stats.close()
+        return {n: stats.calibration(n) for n in names}
+
+    def quantized(self, group: Group, fmt: Format, calibration: dict[str, Calibration]) -> dict[str, torch.Tensor]:
+        out = {}
+        for t in group.quantizable:
+            method = self.rounding if self.rounding in fmt.methods() else "rtn"
+            out[t.name] = fmt.roundtrip(t.name, self.source.read(t.name), calibration.get(t.name), method)
+        return out
+
+    @torch.no_grad()
+    def cell(self, group: Group, overrides: dict[str, torch.Tensor]) -> DistanceMeter:
+        """Re-run from the group onward, layer-major, and compare with the reference logits."""
+        if group.start < 0:
+            with self.stream.resident(EMBED, overrides):
+                hidden = [self.stream.embed(ids) for ids in self.batches]
+            start = 0
+        elif group.start < self.layers:
+            hidden = [self.cache.get(group.start, b) for b in range(len(self.batches))]
+            start = group.start
+        else:
+            hidden = [self.cache.get(self.layers, b) for b in range(len(self.batches))]
+            start = self.layers
+        for i in range(start, self.layers):
+            with self.stream.resident(f"layers.{i}", overrides):
+                hidden = [self.stream.run_layer(i, h) for h in hidden]
+        meter = DistanceMeter()
+        with self._head(overrides):
+            for b, h in enumerate(hidden):
+                ref = self.ref_logits.get(b)
+                if ref is None:  # not kept (over the memory budget): recompute from the cached final hidden
+                    with self._reference_head():
+                        ref = self.stream.logits(self.cache.get(self.layers, b))
+                meter.add(ref, self.stream.logits(h))
+        return meter
+
+    def _reference_head(self):
+        """The unquantized head, swapped in temporarily when the cell quantizes the head itself."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def swap():
+            head = EMBED if self.stream.tied else LM_HEAD
+            touched = [g for g in (NORM, head) if any(n in self.current_overrides for n in self.stream.group_tensors(g))]
+            for g in touched:
+                self.stream.load(g)
+            try:
+                yield
+            finally:
+                for g in touched:
+                    self.stream.load(g, self.current_overrides)
+
+        return swap()
+
+
+def _separable_fraction(groups: list[dict], formats: list[str]) -> float | None:
+    """Share of adjacent format pairs whose damages differ by more than 2 standard errors."""
+    pairs = separable = 0
+    for g in groups:
+        cells = [g["cells"][f] for f in formats if f in g.get("cells", {})]
+        cells = [c for c in cells if c["stderr"] is not None and math.isfinite(c["stderr"])]
+        for a, b in zip(cells, cells[1:]):
+            if a["damage"] == b["damage"]:
+                continue
+            pairs += 1
+            separable += abs(a["damage"] - b["damage"]) > 2 * math.hypot(a["stderr"], b["stderr"])
+    return separable / pairs if pairs else None
+
+
+def scan(model: str | Path | None = None, calibration: str | Path | None = None, max_tokens: int = 8192,
+         formats: str | list[str] = "Q8_0,Q6_K,Q4_K,Q3_K,Q2_K", group_by: str = "layer",
+         out: str | Path = "sensitivity.json", resume: bool = False, device: str = "cpu",
+         memory_cap: int | None = None, rounding: str = "rtn", seq_len: int = 512, batch: int = 4,
+         progress: bool = True) -> dict:
+    """Measure the damage of every group at every format; returns the map (also written to `out`)."""
+    from transformers import AutoTokenizer
+
+    from .runner import StreamedModel
+
+    if rounding not in ROUNDINGS:
+        raise CardfitError(f"unknown rounding '{rounding}'", "use " + ", ".join(ROUNDINGS))
+    if max_tokens <= 0 or seq_len <= 1:
+        raise CardfitError("--max-tokens and --seq-len must be positive", "e.g. --max-tokens 8192 --seq-len 512")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CardfitError(f"--device {device} but torch sees no CUDA device",
+                           "install a CUDA build of torch that matches your driver, or use --device cpu")
+    fmts = parse_formats(formats)
+    source = open_model(model)
+    text, text_path = load_text(calibration)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+    chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path))
+    header = map_header(source, text, text_path, chunks, fmts, group_by, rounding)
+    out = Path(out)
+    result = None
+    if out.exists():
+        if not resume:
+            raise CardfitError(f"{out} exists", "pass --resume to continue it, or choose another --out")
+        from .maps import read_map
+
+        previous = read_map(out)
+        if not _same_job(previous, header):
+            raise CardfitError(f"{out} was scanned for another model, text or settings",
+                               "use a new --out, or the original model, calibration and formats")
+        result = previous
+    groups = scan_groups(source, group_by)
+    if result is None:
+        result = dict(header)
+        result["reference"] = {}
+        result["groups"] = [{"name": g.name, "tensors": [t.name for t in g.tensors],
+                             "bytes": {f.name: sum(f.tensor_bytes(t.name, t.shape) for t in g.tensors)
+                                       for f in fmts},
+                             "storage": {f.name: sorted({f.storage(t.name, t.shape) for t in g.tensors})
+                                         for f in fmts},
+                             "cells": {}} for g in groups]
+        result["complete"] = False
+        result["warnings"] = []
+    stream = StreamedModel(source, device=device)
+    budget = None if memory_cap is None else memory_cap // 2
+    cache = ActivationCache(budget, spill_dir=out.parent)
+    scanner = _Scanner(source, stream, chunks, batch, cache, rounding)
+    todo = [(i, g, f) for i, g in enumerate(groups) for f in fmts
+            if f.name not in result["groups"][i]["cells"]]
+    bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
+    try:
+        ref = scanner.reference()
+        result["reference"] = {"perplexity": round(ref.perplexity, 6)}
+        current = None
+        for i, group, fmt in todo:
+            entry = result["groups"][i]
+            if current != group.name:
+                calibration_stats, current = scanner.calibration(group), group.name
+            if bar:
+                bar.set_description(f"{group.name} @ {fmt.name}")
+            if all(fmt.storage(t.name, t.shape) == "F32" for t in group.quantizable) or not group.quantizable:
+                entry["cells"][fmt.name] = {"damage": 0.0, "stderr": 0.0, "top1": 1.0}
+            else:
+                scanner.current_overrides = scanner.quantized(group, fmt, calibration_stats)
+                meter = scanner.cell(group, scanner.current_overrides)
+                entry["cells"][fmt.name] = {"damage": meter.kl, "stderr": meter.kl_stderr, "top1": meter.top1}
+            write_json(out, result)
+            if bar:
+                bar.update(1)
+    finally:
+        cache.close()
+        if bar:
+            bar.close()
+    fraction = _separable_fraction(result["groups"], result["formats"])
+    result["separable_fraction"] = fraction
+    if fraction is not None and fraction < 0.5:
+        result["warnings"] = [f"only {fraction:.0%} of adjacent formats differ by more than 2 standard errors: "
+                              "the calibration is too short to separate formats; raise --max-tokens"]
+    result["complete"] = True
+    write_json(out, result)
+    return result
+
+
+def _progress(enabled: bool, total: int, done: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, unit="cell", dynamic_ncols=True)

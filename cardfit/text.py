@@ -1,0 +1,53 @@
+"""Calibration and evaluation text: validated, tokenized, cut into equal chunks."""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .errors import CardfitError
+
+BUNDLED = {"calibration": "calibration.txt", "heldout": "heldout.txt"}
+
+
+def bundled_text(name: str) -> Path:
+    return Path(str(resources.files("cardfit") / "data" / BUNDLED[name]))
+
+
+def load_text(path: str | Path | None, default: str = "calibration") -> tuple[str, Path]:
+    """The text at `path` (or a bundled one), refusing files that are not prose."""
+    path = Path(path) if path is not None else bundled_text(default)
+    if not path.is_file():
+        raise CardfitError(f"no text file at {path}", "pass a UTF-8 prose file, e.g. cardfit/data/calibration.txt")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise CardfitError(f"{path} is empty", "pass a few hundred KB of representative prose")
+    if b"\x00" in raw[:65536]:
+        raise CardfitError(f"{path} looks binary (NUL bytes)", "pass a UTF-8 prose file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CardfitError(f"{path} is not UTF-8 (byte {exc.start})",
+                           "convert it: iconv -f LATIN1 -t UTF-8 in.txt > out.txt") from None
+    printable = sum(ch.isprintable() or ch in "\n\r\t" for ch in text[:65536])
+    if printable < 0.95 * min(len(text), 65536):
+        raise CardfitError(f"{path} is mostly unprintable characters", "pass a UTF-8 prose file")
+    return text, path
+
+
+def text_hash(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def token_chunks(tokenizer, text: str, seq_len: int, max_tokens: int | None, source: str = "text") -> torch.Tensor:
+    """(n_chunks, seq_len) token ids from the start of the text; refuses texts shorter than one chunk."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    limit = len(ids) if max_tokens is None else min(len(ids), max_tokens)
+    n = limit // seq_len
+    if n == 0:
+        raise CardfitError(f"{source} has {len(ids)} tokens, fewer than one chunk of {seq_len}",
+                           f"give a longer text or a smaller --seq-len (at most {len(ids)})")
+    return ids[: n * seq_len].reshape(n, seq_len)
