@@ -103,6 +103,58 @@ def scan_command(
         typer.echo(f"warning: {warning}", err=True)
 
 
+@app.command("plan")
+def plan_command(
+    map_path: str = typer.Argument(..., metavar="MAP", help="sensitivity.json from cardfit scan."),
+    out: str = typer.Option("recipe.json", help="Where the recipe is written."),
+    weight_budget: Optional[str] = typer.Option(None, help="Weight budget directly (bytes or units)."),
+    vram: Optional[str] = typer.Option(None, help="Or: the card's memory; the budget is derived as in `budget`."),
+    context: int = typer.Option(8192, help="With --vram: context length."),
+    batch: int = typer.Option(1, help="With --vram: concurrent sequences."),
+    kv_dtype: str = typer.Option("f16", help="With --vram: KV cache dtype."),
+    config: Optional[str] = typer.Option(None, help="With --vram: the model's config (default: embedded model)."),
+    pin: Optional[list[str]] = typer.Option(None, help="GROUP=FORMAT, fixed (glob patterns allowed)."),
+    floor: Optional[list[str]] = typer.Option(None, help="GROUP=FORMAT, at least that many bits."),
+    formats: Optional[str] = typer.Option(None, help="Only these formats of the map."),
+    frontier_out: Optional[str] = typer.Option(None, "--frontier", help="Write the exact Pareto frontier (JSON)."),
+    plot: Optional[str] = typer.Option(None, help="Plot the frontier with the uniform presets (PNG)."),
+):
+    """The least-damage recipe whose bytes fit the budget (exact MILP)."""
+    from .atomic import write_json
+    from .maps import read_map
+    from .plan import Problem, frontier, parse_assignments, plan, render_recipe
+    from .units import parse_bytes
+
+    info = {}
+    if weight_budget is not None:
+        budget_bytes = parse_bytes(weight_budget, "--weight-budget")
+    elif vram is not None:
+        from .budget import budget as compute
+
+        runtime = read_map(map_path).get("runtime", "llama.cpp")
+        b = compute(config, vram, context, batch, kv_dtype, runtime)
+        budget_bytes = b.weight_budget_bytes
+        info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
+                "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
+    else:
+        raise CardfitError("no budget given", "pass --weight-budget BYTES or --vram SIZE --context N")
+    fmts = formats.split(",") if formats else None
+    pins, floors = parse_assignments(pin, "--pin"), parse_assignments(floor, "--floor")
+    recipe = plan(map_path, budget_bytes, fmts, pins, floors, info)
+    write_json(out, recipe)
+    typer.echo(render_recipe(recipe))
+    typer.echo(f"-> {out}")
+    if frontier_out or plot:
+        problem = Problem.from_map(read_map(map_path), fmts, pins, floors)
+        points = frontier(problem)
+        if frontier_out:
+            write_json(frontier_out, {"points": points, "uniform_bytes": recipe["uniform_bytes"]})
+        if plot:
+            from .plots import plot_frontier
+
+            plot_frontier(points, problem, plot, chosen=(recipe["bytes"], recipe["predicted_damage"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:

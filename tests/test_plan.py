@@ -1,0 +1,108 @@
+"""The planner is exact: it equals brute force, proves optimality, and names the minimum."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from cardfit.errors import CardfitError
+from cardfit.plan import Problem, _solve, frontier, minimum_bytes, solve
+
+
+def random_problem(rng, groups, formats):
+    size = np.sort(rng.integers(100, 10_000, size=(groups, formats)), axis=1)[:, ::-1].copy()
+    damage = np.sort(rng.random((groups, formats)) ** 3, axis=1)
+    # shuffle some columns so that larger is not always better (non-monotone cells happen in real maps)
+    if rng.random() < 0.3:
+        damage[:, 0] = rng.random(groups)
+    return Problem([f"g{i}" for i in range(groups)], [f"f{j}" for j in range(formats)], damage, size,
+                   np.ones((groups, formats), dtype=bool), [])
+
+
+def brute_force(problem, budget):
+    best = None
+    for choice in itertools.product(range(len(problem.formats)), repeat=len(problem.groups)):
+        b = sum(problem.bytes[g, c] for g, c in enumerate(choice))
+        if b <= budget:
+            d = sum(problem.damage[g, c] for g, c in enumerate(choice))
+            if best is None or d < best - 1e-12:
+                best = d
+    return best
+
+
+def test_plan_equals_brute_force_on_200_random_instances():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        problem = random_problem(rng, int(rng.integers(2, 6)), int(rng.integers(2, 5)))
+        lo, hi = problem.bytes.min(axis=1).sum(), problem.bytes.max(axis=1).sum()
+        budget = int(rng.integers(lo - 500, hi + 1))
+        expected = brute_force(problem, budget)
+        got = _solve(problem, budget)
+        if expected is None:
+            assert got is None
+        else:
+            assert got is not None and abs(got.damage - expected) < 1e-9 and got.bytes <= budget
+            assert got.gap == 0.0
+
+
+def test_infeasible_names_the_exact_minimum():
+    rng = np.random.default_rng(1)
+    problem = random_problem(rng, 4, 3)
+    minimum = int(problem.bytes.min(axis=1).sum())
+    assert minimum_bytes(problem) == minimum
+    with pytest.raises(CardfitError, match="minimum achievable is"):
+        solve(problem, minimum - 1)
+    assert solve(problem, minimum).bytes == minimum
+
+
+def test_same_format_constraint_holds():
+    rng = np.random.default_rng(2)
+    problem = random_problem(rng, 4, 3)
+    problem.same_format = [[0, 1, 2]]
+    budget = int(problem.bytes.mean(axis=1).sum())
+    sol = _solve(problem, budget)
+    assert sol.choice[0] == sol.choice[1] == sol.choice[2]
+
+
+def test_frontier_is_exact_and_monotone():
+    rng = np.random.default_rng(3)
+    problem = random_problem(rng, 4, 3)
+    points = frontier(problem)
+    assert points[0]["bytes"] <= problem.bytes.max(axis=1).sum()
+    assert points[-1]["bytes"] == minimum_bytes(problem)
+    for a, b in zip(points, points[1:]):
+        assert b["bytes"] < a["bytes"] and b["damage"] >= a["damage"] - 1e-12
+    for p in points:  # each point is the optimum at its own budget
+        assert abs(brute_force(problem, p["bytes"]) - p["damage"]) < 1e-9
+
+
+def test_plan_on_a_real_scan(tiny_models, tmp_path, run_cli):
+    import json
+
+    from test_scan import FORMATS, run_scan, small_text
+
+    out = tmp_path / "map.json"
+    data = run_scan(tiny_models["llama"], small_text(tmp_path), out)
+    problem = Problem.from_map(data)
+    budget = int((problem.bytes.min(axis=1).sum() + problem.bytes.max(axis=1).sum()) / 2)
+    code, stdout, err = run_cli("plan", out, "--weight-budget", str(budget), "--out", tmp_path / "r.json",
+                                "--pin", "lm_head=Q8_0")
+    assert code == 0, err
+    recipe = json.loads((tmp_path / "r.json").read_text())
+    assert recipe["bytes"] <= budget and recipe["solver"]["proven_optimal"]
+    assert next(g for g in recipe["groups"] if g["name"] == "lm_head")["format"] == "Q8_0"
+    assert "predicted damage" in stdout
+    code, _, err = run_cli("plan", out, "--weight-budget", "1000", "--out", tmp_path / "r2.json")
+    assert code == 2 and "minimum achievable is" in err and not (tmp_path / "r2.json").exists()
+
+
+def test_frontier_plot_renders(tmp_path):
+    from cardfit.plots import plot_frontier
+
+    rng = np.random.default_rng(4)
+    problem = random_problem(rng, 5, 3)
+    points = frontier(problem)
+    path = tmp_path / "frontier.png"
+    plot_frontier(points, problem, path, chosen=(points[1]["bytes"], points[1]["damage"]))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
