@@ -117,3 +117,55 @@ def test_registry_names_resolve():
     with pytest.raises(CardfitError):
         get_format("Q7_X")
     assert {f.runtime for f in FORMATS.values()} == {"llama.cpp", "vllm", "reference"}
+
+
+@pytest.fixture(scope="module")
+def random_gguf(packaged, tmp_path_factory):
+    """The packaged model's metadata with every matrix replaced by random F16 values, so llama.cpp
+    itself can quantize random tensors for comparison."""
+    import gguf
+
+    path, _ = packaged
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    out = tmp_path_factory.mktemp("random") / "random-f16.gguf"
+    writer = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    rng = np.random.default_rng(7)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if len(shape) == 1:
+            writer.add_tensor(t.name, np.ones(shape, dtype=np.float32))
+        else:
+            values = rng.standard_t(df=4, size=shape).astype(np.float32) * 0.02  # heavy tails, like LLM weights
+            writer.add_tensor(t.name, values.astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q2_K", "IQ4_XS"])
+def test_bit_identical_to_llama_cpp_quantize_on_random_tensors(type_name, random_gguf, tmp_path):
+    import gguf
+
+    from cardfit.shelf import llama_quantize
+
+    source = {t.name: t for t in gguf.GGUFReader(str(random_gguf)).tensors}
+    name_im = "blk.1.ffn_down.weight"
+    imatrix = {name_im: (np.random.default_rng(1).random(1536) + 0.05).astype(np.float32)}
+    out = llama_quantize(random_gguf, tmp_path / "q.gguf", type_name, pure=True, imatrix=imatrix)
+    produced = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    fmt = get_format(type_name)
+    for name in (name_im, "blk.0.attn_v.weight", "blk.4.ffn_gate.weight", "token_embd.weight"):
+        values = torch.from_numpy(np.asarray(source[name].data, dtype=np.float16).astype(np.float32))
+        calibration = Calibration(imatrix=torch.from_numpy(imatrix[name])) if name in imatrix else None
+        storage, raw = fmt.quantize(name, values, calibration, "imatrix" if calibration else "rtn")
+        theirs = produced[name]
+        assert storage == theirs.tensor_type.name
+        assert np.array_equal(raw, np.asarray(theirs.data).reshape(-1).view(np.uint8)), name

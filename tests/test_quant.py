@@ -117,3 +117,14 @@ def test_gptq_runs_on_cuda(layer):
     cpu = gptq_quantize(fmt, w, cal.hessian)
     cuda = gptq_quantize(fmt, w.cuda(), cal.hessian.cuda(), arena=DeviceArena("cuda"))
     assert (cpu[0] == cuda[0].cpu()).float().mean() > 0.99
+
+
+def test_layer_errors_table_on_real_inputs(layer):
+    from cardfit.quant.layer_eval import layer_errors
+
+    x, w, _ = layer
+    table = layer_errors(NAME, w, x, ["W4A16-g128", "Q4_K", "Q8_0"])
+    assert set(table["W4A16-g128"]) == {"rtn", "gptq", "awq"}
+    assert set(table["Q4_K"]) == {"rtn", "imatrix", "awq"}
+    assert table["W4A16-g128"]["gptq"] < table["W4A16-g128"]["rtn"]
+    assert table["Q8_0"]["rtn"] < table["Q4_K"]["rtn"]

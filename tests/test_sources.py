@@ -108,3 +108,21 @@ def test_default_model_is_a_working_transformers_model(default_model_dir):
     with torch.no_grad():
         loss = model(ids, labels=ids).loss
     assert torch.exp(loss) < 60  # a trained model; random weights give ~49152
+
+
+def test_hub_id_resolves_from_the_local_cache_only(tiny_models, tmp_path, monkeypatch):
+    import shutil
+
+    from cardfit.errors import CardfitError
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someorg--tiny" / "snapshots" / "0123456789abcdef"
+    shutil.copytree(tiny_models["llama"], snapshot)
+    (cache / "models--someorg--tiny" / "refs").mkdir(parents=True)
+    (cache / "models--someorg--tiny" / "refs" / "main").write_text("0123456789abcdef")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    source = open_model("someorg/tiny")
+    assert source.geometry.num_layers == 2
+    with pytest.raises(CardfitError, match="not in the local Hugging Face cache"):
+        open_model("someorg/absent")
