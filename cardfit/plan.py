@@ -214,16 +214,18 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
         "margin_bytes": int(weight_budget - solution.bytes),
         "uniform_bytes": uniform,
         "groups": [{"name": problem.groups[g], "format": problem.formats[c], "bytes": int(problem.bytes[g, c]),
-                    "damage": float(problem.damage[g, c])} for g, c in enumerate(solution.choice)],
+                    "damage": float(problem.damage[g, c]), "largest_bytes": int(problem.bytes[g].max())}
+                   for g, c in enumerate(solution.choice)],
     }
 
 
 def render_recipe(recipe: dict) -> str:
     counts: dict[str, int] = {}
     for g in recipe["groups"]:
-        counts[g["format"]] = counts.get(g["format"], 0) + 1
+        if g["bytes"] < g["largest_bytes"] or g["format"] == max(recipe["uniform_bytes"], key=recipe["uniform_bytes"].get):
+            counts[g["format"]] = counts.get(g["format"], 0) + 1
     top = max(recipe["uniform_bytes"], key=lambda f: recipe["uniform_bytes"][f])
-    downgrades = sum(1 for g in recipe["groups"] if g["format"] != top)
+    downgrades = sum(1 for g in recipe["groups"] if g["bytes"] < g["largest_bytes"])  # a norm's F32 is no downgrade
     lines = [f"weight budget {format_bytes(recipe['budget']['weight_budget_bytes'])}",
              f"result {format_bytes(recipe['bytes'])}, " + " and ".join(f"{n} at {f}" for f, n in counts.items()),
              f"downgrades from {top}: {downgrades}", f"predicted damage {recipe['predicted_damage']:.4f}",
