@@ -220,12 +220,13 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
 
 
 def render_recipe(recipe: dict) -> str:
+    top = max(recipe["uniform_bytes"], key=recipe["uniform_bytes"].get)
+    # A group stored the same whatever the format (a norm kept in F32) counts as at the top format.
+    shown = [top if g["bytes"] == g["largest_bytes"] else g["format"] for g in recipe["groups"]]
     counts: dict[str, int] = {}
-    for g in recipe["groups"]:
-        if g["bytes"] < g["largest_bytes"] or g["format"] == max(recipe["uniform_bytes"], key=recipe["uniform_bytes"].get):
-            counts[g["format"]] = counts.get(g["format"], 0) + 1
-    top = max(recipe["uniform_bytes"], key=lambda f: recipe["uniform_bytes"][f])
-    downgrades = sum(1 for g in recipe["groups"] if g["bytes"] < g["largest_bytes"])  # a norm's F32 is no downgrade
+    for fmt in shown:
+        counts[fmt] = counts.get(fmt, 0) + 1
+    downgrades = sum(1 for fmt in shown if fmt != top)
     lines = [f"weight budget {format_bytes(recipe['budget']['weight_budget_bytes'])}",
              f"result {format_bytes(recipe['bytes'])}, " + " and ".join(f"{n} at {f}" for f, n in counts.items()),
              f"downgrades from {top}: {downgrades}", f"predicted damage {recipe['predicted_damage']:.4f}",
