@@ -39,8 +39,13 @@ class DistanceMeter:
     kl_values: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, ref_logits: torch.Tensor, q_logits: torch.Tensor, input_ids: torch.Tensor | None = None,
-            keep_values: bool = False) -> None:
-        kl = token_kl(ref_logits, q_logits)
+            keep_values: bool = False, rows_per_slice: int = 256) -> None:
+        # KL in slices of positions: the log-softmax temporaries then cost a few vocab-wide rows,
+        # not four copies of the whole (batch x tokens x vocab) logits.
+        flat_ref = ref_logits.reshape(-1, ref_logits.shape[-1])
+        flat_q = q_logits.reshape(-1, q_logits.shape[-1])
+        kl = torch.cat([token_kl(flat_ref[i:i + rows_per_slice], flat_q[i:i + rows_per_slice])
+                        for i in range(0, flat_ref.shape[0], rows_per_slice)]).reshape(ref_logits.shape[:-1])
         agree = (ref_logits.argmax(-1) == q_logits.argmax(-1)).to(torch.float32)
         self.kl_sum += float(kl.sum())
         self.top1_sum += float(agree.sum())
