@@ -17,7 +17,7 @@ per token, plus one layer-forward per group to gather GPTQ/AWQ/imatrix statistic
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +102,6 @@ class _Scanner:
         vocab = stream.model.config.vocab_size
         self.keep_reference = cache.budget is None or chunks.numel() * vocab * 4 <= cache.budget
         self.ref_logits: dict[int, torch.Tensor] = {}
-        self.current_overrides: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def reference(self) -> DistanceMeter:
@@ -126,13 +125,10 @@ class _Scanner:
                 meter.nll_tokens += ids[:, 1:].numel()
         return meter
 
-    def _head(self, overrides=None):
-        from contextlib import ExitStack
-
-        stack = ExitStack()
-        head = EMBED if self.stream.tied else LM_HEAD
-        for g in (NORM, head):
-            stack.enter_context(self.stream.resident(g, overrides))
+    def _head(self):
+        stack = contextlib.ExitStack()
+        for g in (NORM, EMBED if self.stream.tied else LM_HEAD):
+            stack.enter_context(self.stream.resident(g))
         return stack
 
     def calibration(self, group: Group) -> dict[str, Calibration]:
@@ -176,32 +172,17 @@ class _Scanner:
             with self.stream.resident(f"layers.{i}", overrides):
                 hidden = [self.stream.run_layer(i, h) for h in hidden]
         meter = DistanceMeter()
-        with self._head(overrides):
+        head = EMBED if self.stream.tied else LM_HEAD
+        touched = any(n in overrides for g in (NORM, head) for n in self.stream.group_tensors(g))
+        # When the cell quantizes the head itself, nothing is kept resident: each logits call then
+        # loads the head it needs, unquantized for a recomputed reference, quantized for the cell.
+        with contextlib.nullcontext() if touched else self._head():
             for b, h in enumerate(hidden):
                 ref = self.ref_logits.get(b)
                 if ref is None:  # not kept (over the memory budget): recompute from the cached final hidden
-                    with self._reference_head():
-                        ref = self.stream.logits(self.cache.get(self.layers, b))
-                meter.add(ref, self.stream.logits(h))
+                    ref = self.stream.logits(self.cache.get(self.layers, b))
+                meter.add(ref, self.stream.logits(h, overrides))
         return meter
-
-    def _reference_head(self):
-        """The unquantized head, swapped in temporarily when the cell quantizes the head itself."""
-        from contextlib import contextmanager
-
-        @contextmanager
-        def swap():
-            head = EMBED if self.stream.tied else LM_HEAD
-            touched = [g for g in (NORM, head) if any(n in self.current_overrides for n in self.stream.group_tensors(g))]
-            for g in touched:
-                self.stream.load(g)
-            try:
-                yield
-            finally:
-                for g in touched:
-                    self.stream.load(g, self.current_overrides)
-
-        return swap()
 
 
 def _separable_fraction(groups: list[dict], formats: list[str]) -> float | None:
@@ -285,8 +266,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
             if all(fmt.storage(t.name, t.shape) == "F32" for t in group.quantizable) or not group.quantizable:
                 entry["cells"][fmt.name] = {"damage": 0.0, "stderr": 0.0, "top1": 1.0}
             else:
-                scanner.current_overrides = scanner.quantized(group, fmt, calibration_stats)
-                meter = scanner.cell(group, scanner.current_overrides)
+                meter = scanner.cell(group, scanner.quantized(group, fmt, calibration_stats))
                 entry["cells"][fmt.name] = {"damage": meter.kl, "stderr": meter.kl_stderr, "top1": meter.top1}
             write_json(out, result)
             if bar:

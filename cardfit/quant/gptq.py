@@ -65,7 +65,7 @@ def gptq_quantize(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, block_siz
     for r0 in range(0, out_f, row_chunk):
         r1 = min(r0 + row_chunk, out_f)
         w_rows = w_host[r0:r1].clone()
-        s_rows, z_rows = _static_group_params(fmt, w_rows, n_groups)
+        _, s_rows, z_rows = fmt.quantize_rtn(w_rows)  # round-to-nearest's group parameters
         scales[r0:r1], zeros[r0:r1] = s_rows, z_rows
         if perm is not None:
             w_rows = w_rows[:, perm]
@@ -90,15 +90,6 @@ def _rows_that_fit(arena: DeviceArena, in_f: int, block: int, out_f: int) -> int
     if rows < 1:
         arena.reserve(fixed + per_row)  # raises the cap error with the numbers
     return min(out_f, int(rows))
-
-
-def _static_group_params(fmt, w_rows: torch.Tensor, n_groups: int):
-    s, z = [], []
-    for cols in fmt.grouped(w_rows):
-        scale, zero = fmt.qparams(w_rows[:, cols])
-        s.append(scale)
-        z.append(zero)
-    return torch.cat(s, dim=1), torch.cat(z, dim=1)
 
 
 def _sweep(fmt, w_rows, upper, scales, zeros, cols_group, block_size, arena: DeviceArena,
