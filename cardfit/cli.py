@@ -118,6 +118,8 @@ def plan_command(
     formats: Optional[str] = typer.Option(None, help="Only these formats of the map."),
     frontier_out: Optional[str] = typer.Option(None, "--frontier", help="Write the exact Pareto frontier (JSON)."),
     plot: Optional[str] = typer.Option(None, help="Plot the frontier with the uniform presets (PNG)."),
+    model: Optional[str] = typer.Option(None, help="The model the map was scanned on: plan refuses a map of "
+                                                   "another model and reserves the GGUF metadata's bytes."),
 ):
     """The least-damage recipe whose bytes fit the budget (exact MILP)."""
     from .atomic import write_json
@@ -140,7 +142,17 @@ def plan_command(
         raise CardfitError("no budget given", "pass --weight-budget BYTES or --vram SIZE --context N")
     fmts = formats.split(",") if formats else None
     pins, floors = parse_assignments(pin, "--pin"), parse_assignments(floor, "--floor")
-    recipe = plan(map_path, budget_bytes, fmts, pins, floors, info)
+    reserve = 0
+    if model is not None:
+        from .maps import check_map_model
+        from .pack import reserve_bytes
+        from .sources import open_model
+
+        data = read_map(map_path)
+        source = open_model(model)
+        check_map_model(data, source)
+        reserve = reserve_bytes(source, data.get("runtime", "llama.cpp"))
+    recipe = plan(map_path, budget_bytes, fmts, pins, floors, info, reserve_bytes=reserve)
     write_json(out, recipe)
     typer.echo(render_recipe(recipe))
     typer.echo(f"-> {out}")
@@ -153,6 +165,86 @@ def plan_command(
             from .plots import plot_frontier
 
             plot_frontier(points, problem, plot, chosen=(recipe["bytes"], recipe["predicted_damage"]))
+
+
+@app.command("pack")
+def pack_command(
+    recipe: str = typer.Argument(..., help="recipe.json from cardfit plan."),
+    model: Optional[str] = typer.Option(None, help="The model the recipe was planned for (default: embedded)."),
+    out: str = typer.Option(..., help="The artifact: a .gguf file, or a directory for compressed-tensors."),
+    format: Optional[str] = typer.Option(None, help="gguf or compressed-tensors (default: the recipe's runtime's)."),
+    method: str = typer.Option("rtn", help="Rounding: rtn or imatrix (GGUF); rtn or gptq (compressed-tensors)."),
+    calibration: Optional[str] = typer.Option(None, help="Calibration text for imatrix/gptq (default: bundled)."),
+    max_tokens: int = typer.Option(4096, help="Calibration tokens for imatrix/gptq."),
+    force: bool = typer.Option(False, help="Replace an existing --out."),
+    smoke: bool = typer.Option(True, help="Run the smoke check (perplexity ceiling) before the artifact lands."),
+    ceiling: float = typer.Option(1000.0, help="The smoke check's perplexity ceiling."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N] for calibration passes."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+):
+    """Write the artifact the recipe says: GGUF for llama.cpp/Ollama, compressed-tensors for vLLM."""
+    from .pack import pack, render_pack
+
+    report = pack(recipe, model, out, format, method, calibration, max_tokens, force=force, device=device,
+                  smoke=smoke, ceiling=ceiling)
+    typer.echo(json.dumps(report, indent=2) if as_json else render_pack(report))
+
+
+@app.command("check")
+def check_command(
+    artifact: str = typer.Argument(..., help="A .gguf file or a compressed-tensors directory."),
+    reference: Optional[str] = typer.Option(None, help="The full-precision model (default: the embedded model)."),
+    text: Optional[str] = typer.Option(None, help="Held-out text (default: the bundled held-out text)."),
+    max_tokens: int = typer.Option(4096, help="Tokens to measure over."),
+    seq_len: int = typer.Option(512, help="Tokens per chunk."),
+    ceiling: float = typer.Option(1000.0, help="Perplexity above which the artifact is a corpse."),
+    min_top1: float = typer.Option(0.05, help="Top-1 agreement below which the artifact is a corpse."),
+    max_kld: Optional[float] = typer.Option(None, help="Also fail when mean KLD exceeds this."),
+    recipe: Optional[str] = typer.Option(None, help="The recipe it was packed from: shows predicted damage."),
+    smoke: bool = typer.Option(False, help="Artifact alone, perplexity ceiling only (no reference)."),
+    out: Optional[str] = typer.Option(None, help="Also write the report as JSON here."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N] for the reference."),
+):
+    """Measure the artifact in its real runtime against the reference; refuse a corpse (exit 2)."""
+    from .atomic import write_json
+    from .check import check, render_check
+
+    predicted = None
+    if recipe is not None:
+        from .recipes import read_recipe
+
+        predicted = read_recipe(recipe)["predicted_damage"]
+    report = check(artifact, None if smoke else (reference or "default"), text, max_tokens, seq_len, ceiling,
+                   min_top1, max_kld, predicted, smoke=smoke, device=device)
+    typer.echo(render_check(report))
+    if out:
+        write_json(out, report)
+    if report["verdict"] != "pass":
+        raise CardfitError(f"{artifact} failed its check: " + "; ".join(report["reasons"]),
+                           "do not ship it; re-plan with more bytes or inspect the recipe")
+
+
+@app.command("fit")
+def fit_command(
+    model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
+    vram: Optional[str] = typer.Option(None, help="The card's memory (default for the embedded model: 768MiB)."),
+    context: int = typer.Option(8192, help="Context length in tokens per sequence."),
+    batch: int = typer.Option(1, help="Concurrent sequences whose KV cache must fit."),
+    kv_dtype: str = typer.Option("f16", help="KV cache dtype."),
+    format: str = typer.Option("gguf", help="gguf (llama.cpp, Ollama) or compressed-tensors (vLLM)."),
+    out: str = typer.Option("cardfit-out", help="Directory for every artifact of the run."),
+    formats: Optional[str] = typer.Option(None, help="Formats to scan (default: Q8_0,Q4_K,Q2_K for GGUF)."),
+    calibration: Optional[str] = typer.Option(None, help="Calibration text (default: bundled)."),
+    max_tokens: int = typer.Option(1024, help="Calibration tokens for the scan and data-aware rounding."),
+    method: str = typer.Option("rtn", help="Pack rounding: rtn/imatrix (GGUF), rtn/gptq (compressed-tensors)."),
+    full_check: bool = typer.Option(False, "--check", help="Also run the full check against the reference."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+):
+    """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
+    from .fit import fit
+
+    fit(model, vram, context, batch, kv_dtype, format, out, formats, calibration, max_tokens, method=method,
+        full_check=full_check, device=device, log=typer.echo)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,4 +41,24 @@ def default_model_dir() -> Path:
         from .sources.gguf_file import GgufSource
 
         GgufSource(default_gguf()).materialize(target)
+    _restore_pre_tokenizer(target)
     return target
+
+
+# SmolLM's own pre-tokenizer (digits split one by one, then byte-level BPE), which its GGUF names
+# `smollm`; transformers' GGUF loader rebuilds a plain byte-level one, which tokenizes digits differently.
+SMOLLM_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
+    {"type": "Digits", "individual_digits": True},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+
+
+def _restore_pre_tokenizer(model_dir: Path) -> None:
+    import json
+
+    from .atomic import write_json
+
+    path = model_dir / "tokenizer.json"
+    declared = json.loads(path.read_text(encoding="utf-8"))
+    if declared.get("pre_tokenizer") != SMOLLM_PRE_TOKENIZER:
+        declared["pre_tokenizer"] = SMOLLM_PRE_TOKENIZER
+        write_json(path, declared)

@@ -60,3 +60,10 @@ def validate_map(data, where: str = "map") -> None:
     model = data.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("fingerprint"), str):
         bad("model fingerprint missing")
+
+
+def check_map_model(data: dict, source) -> None:
+    """Refuse a map measured on another model (fingerprint of config and tensor index)."""
+    if source.fingerprint() != data["model"]["fingerprint"]:
+        raise CardfitError(f"the map was scanned on another model ({data['model'].get('name')}), "
+                           f"not {source.path.name}", "scan this model, or pass the model the map was made on")

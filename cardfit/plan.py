@@ -193,13 +193,30 @@ def parse_assignments(items: list[str] | None, flag: str) -> dict[str, str]:
 
 def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = None,
          pins: dict[str, str] | None = None, floors: dict[str, str] | None = None,
-         budget_info: dict | None = None) -> dict:
-    """The optimal recipe for a map and a weight budget, as the recipe JSON (docs/formats.md)."""
+         budget_info: dict | None = None, reserve_bytes: int = 0) -> dict:
+    """The optimal recipe for a map and a weight budget, as the recipe JSON (docs/formats.md).
+
+    `reserve_bytes` is what the artifact needs beside tensor data (GGUF metadata, tokenizer and
+    alignment padding; see `pack.reserve_bytes`), so that the packed file, not just its tensors,
+    fits the budget.
+    """
     from .maps import read_map
 
     data = read_map(map_path)
     problem = Problem.from_map(data, formats, pins, floors)
-    solution = solve(problem, weight_budget)
+    if reserve_bytes >= weight_budget:
+        from .budget import no_fit_message
+
+        raise CardfitError(no_fit_message(weight_budget, minimum_bytes(problem) + reserve_bytes),
+                           "raise --vram, lower --context, or allow smaller --formats")
+    try:
+        solution = solve(problem, weight_budget - reserve_bytes)
+    except CardfitError as exc:
+        if not reserve_bytes:
+            raise
+        from .budget import no_fit_message
+
+        raise CardfitError(no_fit_message(weight_budget, minimum_bytes(problem) + reserve_bytes), exc.fix) from None
     uniform = {f: int(problem.bytes[:, j].sum()) for j, f in enumerate(problem.formats)}
     return {
         "cardfit_recipe": RECIPE_VERSION,
@@ -211,7 +228,8 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
                    "proven_optimal": solution.gap == 0.0},
         "predicted_damage": solution.damage,
         "bytes": solution.bytes,
-        "margin_bytes": int(weight_budget - solution.bytes),
+        "reserved_bytes": int(reserve_bytes),
+        "margin_bytes": int(weight_budget - reserve_bytes - solution.bytes),
         "uniform_bytes": uniform,
         "groups": [{"name": problem.groups[g], "format": problem.formats[c], "bytes": int(problem.bytes[g, c]),
                     "damage": float(problem.damage[g, c]), "largest_bytes": int(problem.bytes[g].max())}
@@ -233,3 +251,32 @@ def render_recipe(recipe: dict) -> str:
              f"margin {format_bytes(recipe['margin_bytes'])} under",
              f"solver gap {recipe['solver']['optimality_gap']} (proven optimal: {recipe['solver']['proven_optimal']})"]
     return "\n".join(lines)
+
+
+def uniform_recipe(source, format_name: str, weight_budget: int | None = None) -> dict:
+    """Every tensor in one format, as a shelf preset stores it: a recipe `pack` writes without a map.
+
+    Its damage is unknown (nothing was scanned), so `predicted_damage` and each group's damage
+    are null; `check` measures what it really loses.
+    """
+    from .formats import get_format
+    from .scan import scan_groups
+
+    fmt = get_format(format_name)
+    groups = [{"name": g.name, "format": fmt.name, "damage": None,
+               "bytes": sum(fmt.tensor_bytes(t.name, t.shape) for t in g.tensors)}
+              for g in scan_groups(source, "layer")]
+    total = sum(g["bytes"] for g in groups)
+    if weight_budget is None:  # the budget this preset needs, file overhead included
+        from .pack import reserve_bytes
+
+        weight_budget = total + reserve_bytes(source, fmt.runtime)
+    budget = int(weight_budget)
+    model = {"fingerprint": source.fingerprint(), "model_type": source.geometry.model_type,
+             "name": source.path.name, "tied_embeddings": source.tied_embeddings,
+             "num_layers": source.geometry.num_layers}
+    return {"cardfit_recipe": RECIPE_VERSION, "source": "uniform",
+            "map": {"sha256": None, "model": model, "calibration": None, "rounding": "rtn"},
+            "runtime": fmt.runtime, "budget": {"weight_budget_bytes": budget},
+            "solver": None, "predicted_damage": None, "bytes": total, "reserved_bytes": 0,
+            "margin_bytes": budget - total, "uniform_bytes": {fmt.name: total}, "groups": groups}

@@ -33,3 +33,33 @@ def plot_frontier(points: list[dict], problem, path: str | Path, chosen: tuple[i
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
+
+
+def plot_sensitivity(sensitivity: dict, path: str | Path) -> None:
+    """Groups x formats, damage on a log colour scale: where the model is fragile at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    formats = sensitivity["formats"]
+    names = [g["name"] for g in sensitivity["groups"]]
+    damage = np.array([[g["cells"].get(f, {}).get("damage", np.nan) for f in formats]
+                       for g in sensitivity["groups"]], dtype=float)
+    positive = damage[np.isfinite(damage) & (damage > 0)]
+    floor = positive.min() if positive.size else 1e-6
+    shown = np.where(damage > 0, damage, floor)
+    fig, ax = plt.subplots(figsize=(2.2 + 0.9 * len(formats), 1.5 + 0.22 * len(names)))
+    image = ax.imshow(shown, aspect="auto", cmap="magma_r",
+                      norm=LogNorm(vmin=floor, vmax=max(float(np.nanmax(shown)), floor * 10)))
+    ax.set_xticks(range(len(formats)), formats)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_xlabel("format")
+    ax.set_title(f"damage (mean KL, nats/token) — {sensitivity['model']['name']}", fontsize=9)
+    fig.colorbar(image, ax=ax, label="KL(P_ref || P_q)")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)

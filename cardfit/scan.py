@@ -246,12 +246,14 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                              "cells": {}} for g in groups]
         result["complete"] = False
         result["warnings"] = []
+    todo = [(i, g, f) for i, g in enumerate(groups) for f in fmts
+            if f.name not in result["groups"][i]["cells"]]
+    if not todo and result.get("complete"):
+        return result  # a finished map of this very job: nothing to measure again
     stream = StreamedModel(source, device=device)
     budget = None if memory_cap is None else memory_cap // 2
     cache = ActivationCache(budget, spill_dir=out.parent)
     scanner = _Scanner(source, stream, chunks, batch, cache, rounding)
-    todo = [(i, g, f) for i, g in enumerate(groups) for f in fmts
-            if f.name not in result["groups"][i]["cells"]]
     bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
     try:
         ref = scanner.reference()

@@ -1,0 +1,65 @@
+"""Calibration statistics, one decoder layer at a time, for packing with data-aware rounding.
+
+`LayerCalibration` walks the calibration tokens through the model layer by layer and hands
+out the statistics of a layer's tensors just before that layer is written, so only one layer's
+weights and statistics are ever resident. Whether the next layer sees the quantized or the
+original outputs is the caller's choice: GPTQ propagates the quantized layer (each layer
+corrects for the error before it), llama.cpp's imatrix is collected on the unquantized model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import Calibration
+from .sources import EMBED, NORM, ModelSource
+
+
+class LayerCalibration:
+    def __init__(self, source: ModelSource, chunks: torch.Tensor, method: str, device: str = "cpu", batch: int = 4,
+                 awq_samples: int = 4096):
+        from .runner import StreamedModel
+
+        self.method = method
+        self.awq_samples = awq_samples
+        self.stream = StreamedModel(source, device=device)
+        self.batches = [chunks[i:i + batch] for i in range(0, len(chunks), batch)]
+        with self.stream.resident(EMBED):
+            self.hidden = [self.stream.embed(ids) for ids in self.batches]
+
+    @torch.no_grad()
+    def statistics(self, index: int) -> dict[str, Calibration]:
+        """Per-tensor statistics of decoder layer `index` on the current hidden states."""
+        from .quant.model import _LinearStats
+
+        group = f"layers.{index}"
+        names = [t.name for t in self.stream.groups[group] if len(t.shape) == 2]
+        with self.stream.resident(group):
+            stats = _LinearStats(self.stream, names, self.method, self.awq_samples, seed=index)
+            try:
+                for j, h in enumerate(self.hidden):
+                    self.stream.run_layer(index, h)
+                    if j == 0:
+                        stats.end_first_batch()
+            finally:
+                stats.close()
+        return {n: stats.calibration(n) for n in names}
+
+    @torch.no_grad()
+    def advance(self, index: int, overrides: dict[str, torch.Tensor] | None = None) -> None:
+        """Move the hidden states through layer `index` (with quantized weights when given)."""
+        with self.stream.resident(f"layers.{index}", overrides):
+            self.hidden = [self.stream.run_layer(index, h) for h in self.hidden]
+
+    @torch.no_grad()
+    def head_statistics(self) -> Calibration:
+        """The output matrix's statistics: its input is the final norm of the last hidden state."""
+        with self.stream.resident(NORM):
+            xs = [self.stream.decoder.norm(h).reshape(-1, h.shape[-1]).to(torch.float32) for h in self.hidden]
+        x = torch.cat(xs)
+        calibration = Calibration()
+        if self.method == "imatrix":
+            calibration.imatrix = (x * x).mean(dim=0).cpu()
+        if self.method == "gptq":
+            calibration.hessian = (x.T @ x / x.shape[0]).cpu()
+        return calibration

@@ -1,0 +1,156 @@
+"""Stage 6: the whole job in one call — budget, scan, plan, pack, check — into one directory.
+
+Every stage leaves its documented artifact in DIR, and a rerun skips what is finished: the scan
+resumes its own checkpoint (or returns at once when complete), the plan is re-solved (seconds),
+and the artifact is re-packed only when the recipe changed (`fit.json` records the recipe hash
+each artifact was packed from). Ctrl-C at any point leaves a state a rerun continues.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .errors import CardfitError
+from .units import format_bytes
+
+# The embedded model (SmolLM2-135M, 136 MiB at Q8_0) on a ceiling that squeezes it: 768 MiB minus
+# llama.cpp's overhead and an 8k-token KV cache leaves ~97 MiB for weights, between uniform Q4_K
+# and Q8_0, so the solver has something to decide. A model of your own takes --vram.
+DEFAULT_VRAM = "768MiB"
+DEFAULT_FORMATS = {"llama.cpp": "Q8_0,Q4_K,Q2_K", "vllm": "BF16-dense,W8A16,W4A16-g128"}
+ARTIFACT = {"gguf": "model.gguf", "compressed-tensors": "model-compressed-tensors"}
+
+
+def _say(log, text: str) -> None:
+    if log:
+        log(text)
+
+
+def fit(model: str | Path | None = None, vram: str | int | None = None, context: int = 8192, batch: int = 1,
+        kv_dtype: str = "f16", format: str = "gguf", out: str | Path = "cardfit-out", formats: str | None = None,
+        calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
+        full_check: bool = False, check_tokens: int = 2048, device: str = "cpu", progress: bool = True,
+        log=print) -> dict:
+    """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary."""
+    from .budget import budget as compute_budget
+    from .budget import render_budget
+    from .pack import PACK_FORMATS, pack, reserve_bytes, render_pack
+    from .plan import Problem, frontier, plan, render_recipe
+    from .plots import plot_frontier, plot_sensitivity
+    from .scan import scan
+    from .sources import open_model
+    from .atomic import write_json
+
+    runtime = {v: k for k, v in PACK_FORMATS.items()}.get(format)
+    if runtime is None:
+        raise CardfitError(f"unknown --format '{format}'", "use --format gguf or --format compressed-tensors")
+    if vram is None:
+        if model is not None:
+            raise CardfitError("--vram is required for a model of your own", "pass the card's memory, e.g. --vram 24GiB")
+        vram = DEFAULT_VRAM
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "fit.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    source = open_model(model)
+
+    _say(log, "== 1. budget")
+    b = compute_budget(model, vram, context, batch, kv_dtype, runtime)
+    _say(log, render_budget(b))
+
+    _say(log, f"\n== 2. scan ({max_tokens} calibration tokens; resumes {out / 'sensitivity.json'})")
+    map_path = out / "sensitivity.json"
+    sensitivity = scan(model, calibration, max_tokens, formats or DEFAULT_FORMATS[runtime], "layer", map_path,
+                       resume=True, device=device, seq_len=seq_len, progress=progress)
+    for warning in sensitivity["warnings"]:
+        _say(log, f"warning: {warning}")
+    plot_sensitivity(sensitivity, out / "sensitivity.png")
+
+    _say(log, "\n== 3. plan")
+    reserve = reserve_bytes(source, runtime, scratch_dir=out)
+    info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
+            "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
+    recipe = plan(map_path, b.weight_budget_bytes, budget_info=info, reserve_bytes=reserve)
+    write_json(out / "recipe.json", recipe)
+    _say(log, render_recipe(recipe))
+    problem = Problem.from_map(sensitivity)
+    points = frontier(problem)
+    write_json(out / "frontier.json", {"points": points, "uniform_bytes": recipe["uniform_bytes"]})
+    plot_frontier(points, problem, out / "frontier.png", chosen=(recipe["bytes"], recipe["predicted_damage"]))
+
+    _say(log, "\n== 4. pack")
+    artifact = out / ARTIFACT[format]
+    recipe_hash = "sha256:" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+    if artifact.exists() and state.get("packed_from") == recipe_hash and state.get("pack"):
+        packed = state["pack"]
+        _say(log, f"{artifact} is already packed from this recipe; skipped")
+    else:
+        packed = pack(recipe, model, artifact, format, method, calibration, max_tokens, seq_len, force=True,
+                      device=device, progress=progress)
+        state.update({"packed_from": recipe_hash, "pack": packed, "check": None})
+        write_json(state_path, state)
+        _say(log, render_pack(packed))
+
+    checked = state.get("check")
+    if full_check and not (checked and checked.get("packed_from") == recipe_hash):
+        from .check import check, render_check
+
+        _say(log, "\n== 5. check (full, against the reference)")
+        checked = check(artifact, model or "default", None, check_tokens, seq_len,
+                        predicted_damage=recipe["predicted_damage"], device=device)
+        checked["packed_from"] = recipe_hash
+        state["check"] = checked
+        write_json(state_path, state)
+        write_json(out / "check.json", checked)
+        _say(log, render_check(checked))
+        if checked["verdict"] != "pass":
+            raise CardfitError(f"{artifact} failed its check: " + "; ".join(checked["reasons"]),
+                               "do not ship it; raise --vram or inspect the recipe")
+    (out / "report.md").write_text(render_report(b, sensitivity, recipe, packed, checked, artifact), encoding="utf-8")
+    _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {artifact.name}, report.md, sensitivity.png, frontier.png")
+    return {"out": str(out), "budget": b.to_dict(), "recipe": recipe, "pack": packed, "check": checked,
+            "artifact": str(artifact)}
+
+
+def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dict | None, artifact: Path) -> str:
+    """report.md: what was fitted, how, and what it measurably cost."""
+    formats = sensitivity["formats"]
+    lines = [f"# cardfit report: {sensitivity['model']['name']}", "",
+             "## Budget", "", "| | |", "|---|---|",
+             f"| VRAM | {format_bytes(b.vram_bytes)} |",
+             f"| KV cache ({b.context} tokens x {b.batch}, {b.kv_dtype}) | {format_bytes(b.kv_bytes)} |",
+             f"| runtime overhead ({b.runtime}) | {format_bytes(b.overhead_bytes)} |",
+             f"| weight budget | {format_bytes(b.weight_budget_bytes)} |", "",
+             "## Recipe", "",
+             f"Exact optimum (MILP, gap {recipe['solver']['optimality_gap']}): {format_bytes(recipe['bytes'])} of "
+             f"tensors + {format_bytes(recipe['reserved_bytes'])} reserved for file metadata, margin "
+             f"{format_bytes(recipe['margin_bytes'])} under; predicted damage {recipe['predicted_damage']:.4f} "
+             f"(summed KL over {sensitivity['calibration']['tokens']} calibration tokens).", "",
+             "| group | format | bytes | predicted damage | " + " | ".join(f"damage @ {f}" for f in formats) + " |",
+             "|---|---|---|---|" + "---|" * len(formats)]
+    cells = {g["name"]: g["cells"] for g in sensitivity["groups"]}
+    for g in recipe["groups"]:
+        row = " | ".join(f"{cells[g['name']][f]['damage']:.5f}" for f in formats)
+        lines.append(f"| {g['name']} | {g['format']} | {format_bytes(g['bytes'])} | {g['damage']:.5f} | {row} |")
+    size = packed["file_bytes"] if packed["format"] == "gguf" else packed["tensor_bytes"]
+    lines += ["", "## Artifact", "", f"`{artifact.name}` ({packed['format']}, {packed['method']} rounding): "
+              f"{format_bytes(size)}, margin {format_bytes(packed['margin_bytes'])} under the weight budget."]
+    if packed.get("smoke"):
+        lines.append(f"Smoke check: perplexity {packed['smoke']['perplexity']:.4f} over {packed['smoke']['tokens']} "
+                     f"tokens (ceiling {packed['smoke']['ceiling']:g}): passed.")
+    if checked:
+        lines += ["", "## Check (measured in the runtime against the reference)", "",
+                  "| | predicted | measured |", "|---|---|---|",
+                  f"| mean KLD (nats/token) | {recipe['predicted_damage']:.4f} | {checked['kld_mean']:.4f} ± "
+                  f"{checked['kld_stderr']:.4f} |",
+                  f"| p99 KLD | | {checked['kld_p99']:.4f} |",
+                  f"| top-1 agreement | | {checked['top1']:.2%} |",
+                  f"| perplexity | | {checked['perplexity']:.4f} (reference {checked['reference_perplexity']:.4f}) |",
+                  "", f"Verdict: {checked['verdict']}. Predicted damage is measured on calibration text, the "
+                  "check on held-out text."]
+    else:
+        lines += ["", "No full check was run (`cardfit fit --check` runs one)."]
+    lines += ["", "![sensitivity](sensitivity.png)", "", "![frontier](frontier.png)", ""]
+    return "\n".join(lines)

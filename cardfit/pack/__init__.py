@@ -1,0 +1,140 @@
+"""Stage 4: write the artifact the recipe says, for the runtime it was planned for.
+
+GGUF (llama.cpp, Ollama) or compressed-tensors (vLLM), streamed one tensor or one layer group
+at a time, with RTN or data-aware rounding (imatrix for GGUF, GPTQ for compressed-tensors).
+The artifact is written under a temporary name and renamed into place only once it is
+complete and its size is within the budget; an existing output is never replaced without
+`force`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CardfitError
+from ..units import format_bytes
+
+PACK_FORMATS = {"llama.cpp": "gguf", "vllm": "compressed-tensors"}
+PACK_METHODS = {"gguf": ("rtn", "imatrix"), "compressed-tensors": ("rtn", "gptq")}
+
+
+def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | Path = "model.gguf",
+         format: str | None = None, method: str = "rtn", calibration: str | Path | None = None,
+         max_tokens: int = 4096, seq_len: int = 512, force: bool = False, device: str = "cpu",
+         progress: bool = True, smoke: bool = True, ceiling: float | None = None) -> dict:
+    """Pack `recipe` for `model`; returns a report (also what the CLI prints)."""
+    from ..atomic import atomic_directory, atomic_path
+    from ..recipes import check_model, read_recipe, tensor_formats, validate_recipe
+    from ..sources import open_model
+
+    if isinstance(recipe, dict):
+        validate_recipe(recipe)
+        data = recipe
+    else:
+        data = read_recipe(recipe)
+    fmt = format or PACK_FORMATS[data["runtime"]]
+    if fmt not in PACK_METHODS:
+        raise CardfitError(f"unknown pack format '{fmt}'", "use --format gguf or --format compressed-tensors")
+    if PACK_FORMATS[data["runtime"]] != fmt:
+        raise CardfitError(f"the recipe was planned for {data['runtime']}, which does not load {fmt}",
+                           f"pack it as --format {PACK_FORMATS[data['runtime']]}, or plan from a map of that runtime")
+    if method not in PACK_METHODS[fmt]:
+        raise CardfitError(f"--method {method} does not apply to {fmt}",
+                           f"{fmt} takes --method " + " or ".join(PACK_METHODS[fmt]))
+    out = Path(out)
+    if out.exists() and not force:
+        raise CardfitError(f"{out} exists", "pass --force to replace it, or choose another --out")
+    source = open_model(model)
+    check_model(data, source)
+    formats = tensor_formats(data, source)
+    budget = int(data["budget"]["weight_budget_bytes"])
+    calib = _calibration(source, method, calibration, max_tokens, seq_len, device)
+    bar = _bar(progress, len(formats))
+    tick = (lambda name: (bar.set_description(name), bar.update(1))) if bar else None
+    try:
+        if fmt == "gguf":
+            from .gguf_pack import write_gguf
+
+            with atomic_path(out) as tmp:
+                result = write_gguf(tmp, source, formats, budget, method, calib, name=out.stem, progress=tick)
+                result["smoke"] = _smoke(tmp, source, fmt, smoke, ceiling, bar)
+        else:
+            from .compressed import write_compressed
+
+            with atomic_directory(out) as tmp:
+                result = write_compressed(tmp, source, formats, budget, method, calib, progress=tick)
+                result["smoke"] = _smoke(tmp, source, fmt, smoke, ceiling, bar)
+    finally:
+        if bar:
+            bar.close()
+    budget_bytes = budget
+    measured = result["file_bytes"] if fmt == "gguf" else result["tensor_bytes"]
+    return {"artifact": str(out), "format": fmt, "method": method, "groups": len(data["groups"]),
+            "file_bytes": result["file_bytes"], "tensor_bytes": result["tensor_bytes"],
+            "planned_bytes": data["bytes"], "weight_budget_bytes": budget_bytes,
+            "margin_bytes": budget_bytes - measured, "predicted_damage": data["predicted_damage"],
+            "warnings": result["warnings"], "smoke": result["smoke"]}
+
+
+def _smoke(path, source, fmt, enabled, ceiling, bar):
+    """The corpse detector, run on the temporary artifact so a destroyed one never reaches --out."""
+    if not enabled:
+        return None
+    from ..check import DEFAULT_CEILING, smoke_check
+
+    if bar:
+        bar.set_description("smoke check")
+    report = smoke_check(path, source.path, fmt, ceiling or DEFAULT_CEILING)
+    return {"perplexity": report["perplexity"], "tokens": report["tokens"], "ceiling": report["thresholds"]["ceiling"]}
+
+
+def render_pack(report: dict) -> str:
+    counted = "file" if report["format"] == "gguf" else "weights"
+    size = report["file_bytes"] if report["format"] == "gguf" else report["tensor_bytes"]
+    line = (f"packed {report['groups']} groups -> {report['artifact']} ({format_bytes(size)} {counted}), "
+            f"weight budget {format_bytes(report['weight_budget_bytes'])}, "
+            f"margin {format_bytes(report['margin_bytes'])} under")
+    lines = [line]
+    if report.get("smoke"):
+        smoke = report["smoke"]
+        lines.append(f"smoke test: perplexity {smoke['perplexity']:.4f} over {smoke['tokens']} tokens, "
+                     f"ceiling {smoke['ceiling']:g} — passed")
+    return "\n".join(lines + [f"warning: {w}" for w in report["warnings"]])
+
+
+def _calibration(source, method, calibration, max_tokens, seq_len, device):
+    if method == "rtn":
+        return None
+    from transformers import AutoTokenizer
+
+    from ..calibrate import LayerCalibration
+    from ..text import load_text, token_chunks
+
+    text, path = load_text(calibration)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+    chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(path))
+    return LayerCalibration(source, chunks, method, device=device)
+
+
+def _bar(enabled: bool, total: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tensor", dynamic_ncols=True, disable=None)
+
+
+def reserve_bytes(source, runtime: str, scratch_dir: str | Path | None = None) -> int:
+    """What the artifact holds beside tensor data, whatever the recipe: for GGUF the header (metadata,
+    tokenizer, tensor table) plus the most alignment padding the tensors can need; 0 for vLLM, whose
+    safetensors headers never reach the GPU."""
+    if runtime != "llama.cpp":
+        return 0
+    from ..formats import get_format
+    from ..sizes import priced_tensors
+    from .gguf_pack import ALIGNMENT, GgufPlan, header_bytes
+
+    any_format = get_format("Q8_0")  # the tensor table's size does not depend on the types chosen
+    plan = GgufPlan(source, {t.name: any_format for t in priced_tensors(source)})
+    padding_now = sum((-e[4]) % ALIGNMENT for e in plan.entries)
+    return header_bytes(source, plan, scratch_dir) - padding_now + (ALIGNMENT - 1) * len(plan.entries)

@@ -1,0 +1,160 @@
+"""Stream a recipe into a compressed-tensors checkpoint (what vLLM serves and transformers loads).
+
+Layout, as llmcompressor writes it: every quantized Linear stores `weight_packed` (int32 words of
+packed integers), `weight_scale` (16-bit, one per row and group), `weight_shape` and, when
+asymmetric, `weight_zero_point`; everything else stays 16-bit. config.json carries a
+`quantization_config` with one config group per integer format, targeting exactly the modules
+the recipe put in that format (or `Linear` with `ignore: [lm_head]` when one format covers every
+decoder Linear, the declaration of llmcompressor's W4A16 recipe). One safetensors shard is
+written per layer group, so only one group is resident while packing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import CardfitError
+from ..formats import DenseFormat, IntGroupFormat, is_decoder_linear
+from ..sources import EMBED, LM_HEAD, NORM, ModelSource, group_sort_key
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
+
+
+def _scheme(fmt: IntGroupFormat, targets: list[str]):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=fmt.num_bits, type="int", symmetric=fmt.symmetric,
+                            strategy="channel" if fmt.group_size == -1 else "group",
+                            group_size=None if fmt.group_size == -1 else fmt.group_size)
+    return QuantizationScheme(targets=targets, weights=args)
+
+
+def quantization_config(source: ModelSource, formats: dict) -> dict:
+    """config.json's quantization_config for this per-tensor assignment."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    by_format: dict[str, tuple[IntGroupFormat, list[str]]] = {}
+    linears, ignore = [], []
+    for t in source.tensors():
+        if not t.name.endswith(".weight") or len(t.shape) != 2:
+            continue
+        module = t.name[: -len(".weight")]
+        fmt = formats.get(t.name)
+        if is_decoder_linear(t.name, t.shape):
+            linears.append(module)
+            if isinstance(fmt, IntGroupFormat):
+                resolved = fmt.resolve(t.shape)
+                by_format.setdefault(resolved.name, (resolved, []))[1].append(module)
+            else:
+                ignore.append(module)
+    if not source.tied_embeddings or any(t.group == LM_HEAD for t in source.tensors()):
+        ignore.append("lm_head")
+    if len(by_format) == 1 and not [m for m in ignore if m != "lm_head"]:
+        (fmt, _), = by_format.values()
+        groups = {"group_0": _scheme(fmt, ["Linear"])}
+        ignore = ["lm_head"]
+    else:
+        groups = {f"group_{i}": _scheme(fmt, sorted(mods, key=_module_key))
+                  for i, (fmt, mods) in enumerate(by_format.values())}
+    config = QuantizationConfig(config_groups=groups, format="pack-quantized", quantization_status="compressed",
+                                ignore=sorted(set(ignore), key=_module_key))
+    return config.model_dump(exclude_none=False)
+
+
+def _module_key(name: str):
+    from ..sources import group_of
+
+    return (group_sort_key(group_of(name + ".weight")), name)
+
+
+def storage_dtype(source: ModelSource, name: str) -> torch.dtype:
+    """Unquantized tensors keep a 16-bit model dtype; a float32 checkpoint is stored as bfloat16."""
+    dtype = next(t.dtype for t in source.tensors() if t.name == name)
+    return torch.float16 if dtype == "F16" else torch.bfloat16
+
+
+def compress_tensor(name: str, weight: torch.Tensor, fmt, calibration, method: str, dense_dtype: torch.dtype
+                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(tensors to store, the weight the runtime computes with)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from ..quant import quantize_int
+
+    shape = tuple(weight.shape)
+    if not (isinstance(fmt, IntGroupFormat) and is_decoder_linear(name, shape)):
+        stored = weight.to(dense_dtype)
+        return {name: stored}, stored.to(torch.float32)
+    resolved = fmt.resolve(shape)
+    q, scale, zero, _ = quantize_int(resolved, weight, calibration, method)
+    base = name[: -len("weight")]
+    out = {f"{base}weight_packed": pack_to_int32(q, resolved.num_bits),
+           f"{base}weight_scale": scale.to(resolved.scale_dtype),
+           f"{base}weight_shape": torch.tensor(shape, dtype=torch.int64)}
+    if not resolved.symmetric:
+        out[f"{base}weight_zero_point"] = pack_to_int32(zero.to(torch.int8), resolved.num_bits, packed_dim=0)
+    effective = resolved.dequantize(q, scale.to(resolved.scale_dtype).to(torch.float32), zero)
+    return out, effective
+
+
+def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: int | None, method: str = "rtn",
+                     calibration=None, progress=None) -> dict:
+    """Write the checkpoint into `out_dir` (a temporary directory: the caller renames it into place)."""
+    from safetensors.torch import save_file
+
+    for name, fmt in formats.items():
+        if not isinstance(fmt, (IntGroupFormat, DenseFormat)):
+            raise CardfitError(f"format {fmt.name} of {name} is not a compressed-tensors format",
+                               "plan from a vLLM map, or pack with --format gguf")
+    predicted = sum(fmt.tensor_bytes(name, _shape(source, name)) for name, fmt in formats.items())
+    if budget is not None and predicted > budget:
+        from ..units import format_bytes
+
+        raise CardfitError(f"the checkpoint would hold {format_bytes(predicted)} of weights, over the "
+                           f"{format_bytes(budget)} weight budget", "re-plan for this budget")
+    groups = [g for g in source.groups().items() if any(t.name in formats for t in g[1])]
+    weight_map, total = {}, 0
+    for k, (group, tensors) in enumerate(groups):
+        layer = int(group.split(".")[1]) if group.startswith("layers.") else None
+        stats = calibration.statistics(layer) if calibration is not None and layer is not None else {}
+        if calibration is not None and group == LM_HEAD:
+            stats = {}
+        shard: dict[str, torch.Tensor] = {}
+        effective: dict[str, torch.Tensor] = {}
+        for t in tensors:
+            if t.name not in formats:
+                continue
+            fmt = formats[t.name]
+            rounding = method if method in fmt.methods() and t.name in stats else "rtn"
+            stored, effective[t.name] = compress_tensor(t.name, source.read(t.name), fmt, stats.get(t.name),
+                                                        rounding, storage_dtype(source, t.name))
+            shard.update(stored)
+            if progress:
+                progress(t.name)
+        if calibration is not None and layer is not None:
+            calibration.advance(layer, effective)  # GPTQ: the next layer calibrates on this layer's output
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: v.contiguous() for n, v in shard.items()}, str(out_dir / file), metadata={"format": "pt"})
+        for n, v in shard.items():
+            weight_map[n] = file
+            total += v.numel() * v.element_size()
+    if total != predicted:
+        raise RuntimeError(f"stored {total} bytes of tensors, formats predicted {predicted}")
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    config = dict(source.config)
+    config["quantization_config"] = quantization_config(source, formats)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (source.path / name).exists():
+            shutil.copy(source.path / name, out_dir / name)
+    size = sum(p.stat().st_size for p in out_dir.iterdir())
+    return {"file_bytes": size, "tensor_bytes": total, "tensors": len(weight_map), "warnings": []}
+
+
+def _shape(source: ModelSource, name: str) -> tuple[int, ...]:
+    return next(t.shape for t in source.tensors() if t.name == name)

@@ -1,0 +1,182 @@
+"""What llama.cpp expects of each architecture: its name, hyper-parameter keys, tensor names and
+the transforms its converter applies to Hugging Face weights.
+
+These mirror llama.cpp's `convert_hf_to_gguf.py` for the supported families: LLaMA-style models
+(Llama, SmolLM, Mistral) store q/k rows permuted for llama.cpp's interleaved rotary layout;
+Gemma 3 stores its RMSNorm weights as (1 + w); Qwen2/Qwen3 take the weights as they are.
+Anything llama.cpp would compute differently from transformers is refused here, before a byte
+is written, rather than discovered by `check`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import CardfitError
+
+# HF model_type -> llama.cpp architecture name
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+             "gemma3_text": "gemma3"}
+
+
+@dataclass
+class ArchSpec:
+    arch: str  # llama.cpp architecture name
+    config: dict  # the text part of config.json
+
+    @classmethod
+    def for_config(cls, config: dict) -> "ArchSpec":
+        cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        model_type = cfg.get("model_type") or config.get("model_type")
+        arch = GGUF_ARCH.get(model_type)
+        if arch is None:
+            raise CardfitError(f"GGUF packing does not support architecture '{model_type}'",
+                               "supported for GGUF: " + ", ".join(sorted(GGUF_ARCH)) +
+                               "; use --format compressed-tensors for others")
+        spec = cls(arch, cfg)
+        spec.refuse_what_llama_cpp_computes_differently()
+        return spec
+
+    # -- hyper-parameters ---------------------------------------------------------------------------
+    @property
+    def n_head(self) -> int:
+        return int(self.config["num_attention_heads"])
+
+    @property
+    def n_head_kv(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.n_head)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self.config["hidden_size"] // self.n_head)
+
+    @property
+    def rope_theta(self) -> float:
+        params = self.config.get("rope_parameters")
+        if isinstance(params, dict) and "full_attention" in params:  # per-layer-type parameters (Gemma 3)
+            params = params["full_attention"]
+        if isinstance(params, dict) and "rope_theta" in params:
+            return float(params["rope_theta"])
+        return float(self.config.get("rope_theta", 10000.0))
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        params = self.config.get("rope_scaling") or self.config.get("rope_parameters")
+        if isinstance(params, dict) and "full_attention" in params:
+            params = params["full_attention"]
+        if not isinstance(params, dict):
+            return None
+        kind = params.get("rope_type") or params.get("type")
+        return None if kind in (None, "default") else params
+
+    def refuse_what_llama_cpp_computes_differently(self) -> None:
+        cfg = self.config
+        scaling = self.rope_scaling
+        if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) not in ("linear", "llama3"):
+            raise CardfitError(f"rope scaling '{scaling.get('rope_type') or scaling.get('type')}' is not packed "
+                               "to GGUF by cardfit", "models with default, linear or llama3 rope scaling are")
+        if self.arch == "gemma3":
+            layers = int(cfg["num_hidden_layers"])
+            types = cfg.get("layer_types")
+            expected = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+            if isinstance(types, list) and types != expected:
+                raise CardfitError("llama.cpp runs Gemma 3 with five sliding layers to one global; this "
+                                   "config's layer_types differ", "pack it as --format compressed-tensors")
+            scalar = cfg.get("query_pre_attn_scalar")
+            if scalar is not None and int(scalar) != self.head_dim and layers != 62:
+                raise CardfitError(f"llama.cpp scales Gemma 3 attention by head_dim ({self.head_dim}), this config "
+                                   f"by query_pre_attn_scalar={scalar}", "pack it as --format compressed-tensors")
+            if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+                raise CardfitError("Gemma 3 with logit soft-capping is not packed to GGUF by cardfit",
+                                   "pack it as --format compressed-tensors")
+
+    def metadata(self, writer) -> None:
+        """Architecture keys, exactly the ones llama.cpp's loader reads for this family."""
+        cfg = self.config
+        writer.add_context_length(int(cfg.get("max_position_embeddings") or 4096))
+        writer.add_embedding_length(int(cfg["hidden_size"]))
+        writer.add_block_count(int(cfg["num_hidden_layers"]))
+        writer.add_feed_forward_length(int(cfg["intermediate_size"]))
+        writer.add_head_count(self.n_head)
+        writer.add_head_count_kv(self.n_head_kv)
+        writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+        writer.add_rope_freq_base(self.rope_theta)
+        writer.add_vocab_size(int(cfg["vocab_size"]))
+        if self.arch in ("llama", "qwen2", "qwen3"):
+            writer.add_rope_dimension_count(self.head_dim)
+        if self.head_dim != int(cfg["hidden_size"]) // self.n_head or self.arch in ("gemma3", "qwen3"):
+            writer.add_key_length(self.head_dim)
+            writer.add_value_length(self.head_dim)
+        if self.arch == "gemma3":
+            writer.add_sliding_window(int(cfg["sliding_window"]))
+        scaling = self.rope_scaling
+        if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) == "linear":
+            import gguf
+
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(scaling["factor"]))
+
+    def extra_tensors(self) -> dict[str, np.ndarray]:
+        """Tensors llama.cpp needs that the checkpoint does not hold (llama3 rope frequency factors)."""
+        scaling = self.rope_scaling
+        if scaling is None or (scaling.get("rope_type") or scaling.get("type")) != "llama3":
+            return {}
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_context = float(scaling.get("original_max_position_embeddings", 8192))
+        freqs = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        factors = []
+        for freq in freqs:
+            wavelength = 2 * math.pi / freq
+            if wavelength < old_context / high:
+                factors.append(1.0)
+            elif wavelength > old_context / low:
+                factors.append(factor)
+            else:
+                smooth = (old_context / wavelength - low) / (high - low)
+                factors.append(1.0 / ((1 - smooth) / factor + smooth))
+        return {"rope_freqs.weight": np.asarray(factors, dtype=np.float32)}
+
+    # -- tensors ------------------------------------------------------------------------------------
+    def tensor_name(self, hf_name: str) -> str:
+        import gguf
+
+        mapping = _name_map(self.arch, int(self.config["num_hidden_layers"]))
+        name = mapping.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise CardfitError(f"llama.cpp has no tensor for '{hf_name}' in architecture {self.arch}",
+                               "pack it as --format compressed-tensors")
+        return name
+
+    def transform(self, hf_name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The converter's per-tensor transform, applied before quantization (so its rounding is llama.cpp's)."""
+        if self.arch == "llama" and hf_name.endswith("q_proj.weight"):
+            return _permute_rotary(weight, self.n_head)
+        if self.arch == "llama" and hf_name.endswith("k_proj.weight"):
+            return _permute_rotary(weight, self.n_head_kv)
+        if self.arch == "gemma3" and hf_name.endswith("norm.weight"):
+            return weight + 1.0
+        return weight
+
+
+def _permute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Half-split rotary rows (HF) -> interleaved pairs (llama.cpp's LLaMA rope)."""
+    shape = weight.shape
+    return weight.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+_MAPS: dict = {}
+
+
+def _name_map(arch: str, blocks: int):
+    import gguf
+
+    key = (arch, blocks)
+    if key not in _MAPS:
+        arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+        _MAPS[key] = gguf.get_tensor_name_map(arch_enum, blocks)
+    return _MAPS[key]

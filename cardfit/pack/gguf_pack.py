@@ -1,0 +1,187 @@
+"""Stream a recipe into a GGUF file that llama.cpp (and Ollama) load.
+
+One pass, one tensor resident: every tensor's GGUF type and exact byte size is known from the
+recipe before any weight is read, so the header (metadata, tokenizer, tensor table) is written
+first, the file's final size is checked against the budget, and then each tensor is read from
+the model's memory maps, transformed as llama.cpp's converter would, quantized by ggml itself
+and appended. No f16 intermediate file is ever written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import CardfitError
+from ..formats import GgmlFormat
+from ..formats.gguf_formats import ggml_tensor_bytes
+from ..sources import EMBED, LM_HEAD, NORM, ModelSource, group_of
+from .gguf_arch import ArchSpec
+from .gguf_vocab import add_vocab
+
+ALIGNMENT = 32  # GGUF's default data alignment
+_FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11, "Q4_K": 14,
+               "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
+
+
+def _pad(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def ordered_tensors(source: ModelSource, formats: dict) -> list:
+    """Write order: embedding, decoder layers in order, final norm, output (llama.cpp's converter order)."""
+    rank = {EMBED: 0, NORM: 2, LM_HEAD: 3}
+    def key(t):
+        if t.group.startswith("layers."):
+            return (1, int(t.group.split(".")[1]))
+        return (rank.get(t.group, 4), 0)
+    return sorted((t for t in source.tensors() if t.name in formats), key=key)
+
+
+class GgufPlan:
+    """Every tensor's GGUF name, type and bytes, decided before any weight is read."""
+
+    def __init__(self, source: ModelSource, formats: dict):
+        self.spec = ArchSpec.for_config(source.config)
+        self.entries = []  # (hf name, gguf name, storage type, shape, nbytes)
+        for t in ordered_tensors(source, formats):
+            fmt = formats[t.name]
+            if not isinstance(fmt, GgmlFormat):
+                raise CardfitError(f"format {fmt.name} of {t.name} is not a GGUF type",
+                                   "plan from a llama.cpp map, or pack with --format compressed-tensors")
+            storage = fmt.storage(t.name, t.shape)
+            self.entries.append((t.name, self.spec.tensor_name(t.name), storage, t.shape,
+                                 ggml_tensor_bytes(storage, t.shape)))
+        self.extra = self.spec.extra_tensors()
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(e[4] for e in self.entries) + sum(a.nbytes for a in self.extra.values())
+
+    def file_type(self) -> int:
+        counts: dict[str, int] = {}
+        for _, _, storage, _, nbytes in self.entries:
+            if storage != "F32":
+                counts[storage] = counts.get(storage, 0) + nbytes
+        top = max(counts, key=counts.get) if counts else "F16"
+        return _FILE_TYPES.get(top, 1)
+
+
+def _writer(path, source: ModelSource, plan: GgufPlan, name: str):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), plan.spec.arch)
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_file_type(plan.file_type())
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_string("general.quantized_by", "cardfit")
+    plan.spec.metadata(writer)
+    warnings = add_vocab(writer, source.path, int(plan.spec.config["vocab_size"]))
+    for _, gguf_name, storage, shape, nbytes in plan.entries:
+        writer.add_tensor_info(gguf_name, list(shape), np.dtype(np.float32), nbytes,
+                               raw_dtype=gguf.GGMLQuantizationType[storage])
+    for gguf_name, array in plan.extra.items():
+        writer.add_tensor_info(gguf_name, list(array.shape), array.dtype, array.nbytes)
+    return writer, warnings
+
+
+def header_bytes(source: ModelSource, plan: GgufPlan, scratch_dir) -> int:
+    """Bytes of everything but tensor data (metadata, tokenizer, tensor table, alignment padding)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(dir=scratch_dir) as tmp:
+        path = Path(tmp) / "header.gguf"
+        writer, _ = _writer(path, source, plan, source.path.name)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        size = writer.fout[0].tell()
+        writer.close()
+    return _pad(size) + sum(_pad(e[4]) - e[4] for e in plan.entries) + \
+        sum(_pad(a.nbytes) - a.nbytes for a in plan.extra.values())
+
+
+def write_gguf(path, source: ModelSource, formats: dict, budget: int | None, method: str = "rtn",
+               calibration=None, name: str | None = None, progress=None) -> dict:
+    """Write the artifact at `path` (a temporary name: the caller renames it into place)."""
+    import gguf
+
+    plan = GgufPlan(source, formats)
+    writer, warnings = _writer(path, source, plan, name or source.path.name)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    predicted = _pad(fout.tell()) + sum(_pad(e[4]) for e in plan.entries) + \
+        sum(_pad(a.nbytes) for a in plan.extra.values())
+    if budget is not None and predicted > budget:
+        writer.close()
+        from ..units import format_bytes
+
+        raise CardfitError(f"the GGUF would be {format_bytes(predicted)}, over the "
+                           f"{format_bytes(budget)} weight budget by {format_bytes(predicted - budget)}",
+                           "re-plan with the metadata reserved (cardfit plan --model), or raise the budget")
+    _check_free_space(path, predicted - fout.tell())
+    current_layer, stats = None, {}
+    overrides: dict[str, torch.Tensor] = {}
+    for hf_name, gguf_name, storage, shape, nbytes in plan.entries:
+        layer = _layer_index(hf_name)
+        if calibration is not None:
+            if layer != current_layer:
+                if current_layer is not None:
+                    calibration.advance(current_layer)  # llama.cpp's imatrix sees the unquantized model
+                stats = calibration.statistics(layer) if layer is not None else {}
+                current_layer = layer
+            if group_of(hf_name) == LM_HEAD:
+                stats = {hf_name: calibration.head_statistics()}
+        weight = plan.spec.transform(hf_name, source.read(hf_name))
+        fmt = formats[hf_name]
+        rounding = method if method in fmt.methods() and hf_name in stats else "rtn"
+        if hf_name.endswith("embed_tokens.weight"):
+            rounding = "rtn"  # a lookup table, not a matmul: llama.cpp has no imatrix for it
+        actual, raw = fmt.quantize(hf_name, weight, stats.get(hf_name), rounding)
+        if actual != storage or raw.nbytes != nbytes:
+            raise RuntimeError(f"{hf_name}: planned {storage}/{nbytes} B, quantized {actual}/{raw.nbytes} B")
+        _write(writer, raw)
+        del weight, raw
+        if progress:
+            progress(gguf_name)
+    for array in plan.extra.values():
+        _write(writer, array)
+    writer.close()
+    size = path.stat().st_size
+    if size != predicted:
+        raise RuntimeError(f"wrote {size} bytes, predicted {predicted}")
+    return {"file_bytes": size, "tensor_bytes": plan.tensor_bytes, "tensors": len(plan.entries) + len(plan.extra),
+            "arch": plan.spec.arch, "warnings": warnings}
+
+
+def _write(writer, array: np.ndarray) -> None:
+    try:
+        writer.write_tensor_data(array)
+    except OSError as exc:
+        import errno
+
+        if exc.errno == errno.ENOSPC:
+            raise CardfitError("the disk filled up while writing the artifact (nothing was left behind)",
+                               "free disk space or choose another --out") from None
+        raise
+
+
+def _check_free_space(path, needed: int) -> None:
+    import shutil
+
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        from ..units import format_bytes
+
+        raise CardfitError(f"the artifact needs {format_bytes(needed)} more, the disk has {format_bytes(free)} free",
+                           "free disk space or choose another --out")
+
+
+def _layer_index(name: str) -> int | None:
+    group = group_of(name)
+    return int(group.split(".")[1]) if group.startswith("layers.") else None
+

@@ -1,0 +1,90 @@
+"""Run a packed artifact in the runtime that will serve it and read back its logits.
+
+GGUF runs in llama.cpp (llama-cpp-python, every position's logits); a compressed-tensors
+checkpoint runs in transformers, which decompresses it with compressed-tensors' own code.
+Both answer the same question: the next-token logits for a batch of token ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import CardfitError
+
+
+class GgufRuntime:
+    name = "llama.cpp"
+
+    def __init__(self, path: str | Path, n_ctx: int = 512, threads: int | None = None):
+        import os
+
+        import llama_cpp
+
+        self.path = Path(path)
+        try:
+            self.llm = llama_cpp.Llama(str(self.path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
+                                       n_threads=threads or os.cpu_count())
+        except (ValueError, RuntimeError) as exc:
+            raise CardfitError(f"llama.cpp cannot load {self.path} ({exc})",
+                               "re-pack the artifact; a file llama.cpp refuses is not usable") from None
+        self.n_ctx = n_ctx
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        out = []
+        for row in ids.tolist():
+            if len(row) > self.n_ctx:
+                raise ValueError(f"chunk of {len(row)} tokens exceeds n_ctx {self.n_ctx}")
+            self.llm.reset()
+            self.llm.eval(row)
+            out.append(torch.from_numpy(np.array(self.llm.scores[: len(row)], dtype=np.float32)))
+        return torch.stack(out)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class TransformersRuntime:
+    name = "transformers"
+
+    def __init__(self, path: str | Path, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.path = Path(path)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=torch.float32).to(device)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CardfitError(f"transformers cannot load {self.path} ({exc.__class__.__name__}: {exc})",
+                               "re-pack the artifact") from None
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.device = device
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids.to(self.device)).logits.to(torch.float32).cpu()
+
+    def close(self) -> None:
+        del self.model
+
+
+def open_runtime(path: str | Path, n_ctx: int = 512, device: str = "cpu", kind: str | None = None):
+    """The runtime an artifact is served by: llama.cpp for GGUF, transformers for a checkpoint directory.
+
+    `kind` ("gguf" or "compressed-tensors") names it when the file name cannot (a temporary name).
+    """
+    path = Path(path)
+    if path.is_file() and (kind == "gguf" or path.suffix == ".gguf"):
+        return GgufRuntime(path, n_ctx)
+    if path.is_dir() and (path / "config.json").exists():
+        return TransformersRuntime(path, device)
+    raise CardfitError(f"no artifact at {path}", "give a .gguf file or a compressed-tensors checkpoint directory")
