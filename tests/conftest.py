@@ -15,11 +15,13 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     """A random model of a real architecture, with SmolLM2's tokenizer so text can be fed to it."""
     import shutil
 
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     from cardfit.default_model import default_model_dir
 
     torch.manual_seed(0)
+    sharp = kind.endswith("-sharp")  # large weights: peaky attention, so rotary layout errors show in logits
+    kind = kind.removesuffix("-sharp")
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "llama":
@@ -29,8 +31,17 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     elif kind == "gemma3":
         config = Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=32,
                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    elif kind == "gemma3-llamacpp":  # the geometry llama.cpp assumes for Gemma 3: 5 sliding to 1 global
+        config = Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=16, sliding_window=32,
+                                  query_pre_attn_scalar=16)
+    elif kind == "qwen3":
+        config = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    elif kind == "llama-wide":  # rows that group 128 divides, as in every real model
+        config = LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=True)
     else:
         raise ValueError(kind)
+    if sharp:
+        config.initializer_range = 0.25
     model = AutoModelForCausalLM.from_config(config).to(torch.float16)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
@@ -67,3 +78,27 @@ def run_cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Any tiny architecture by name, built once per session."""
+    root = tmp_path_factory.mktemp("tiny-any")
+    built = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = _save_tiny(kind, root / kind)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded_fit(tmp_path_factory):
+    """`cardfit fit` on the embedded model, run once: budget, scan, plan, pack, full check."""
+    from cardfit.fit import fit
+
+    out = tmp_path_factory.mktemp("fit") / "run"
+    summary = fit(out=out, max_tokens=512, seq_len=256, full_check=True, check_tokens=1024, progress=False, log=None)
+    return out, summary
