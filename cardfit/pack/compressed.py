@@ -19,7 +19,7 @@ import torch
 
 from ..errors import CardfitError
 from ..formats import DenseFormat, IntGroupFormat, is_decoder_linear
-from ..sources import EMBED, LM_HEAD, NORM, ModelSource, group_sort_key
+from ..sources import ModelSource, group_sort_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
@@ -52,8 +52,7 @@ def quantization_config(source: ModelSource, formats: dict) -> dict:
                 by_format.setdefault(resolved.name, (resolved, []))[1].append(module)
             else:
                 ignore.append(module)
-    if not source.tied_embeddings or any(t.group == LM_HEAD for t in source.tensors()):
-        ignore.append("lm_head")
+    ignore.append("lm_head")  # every causal LM has the module, tied or not; it stays 16-bit
     if len(by_format) == 1 and not [m for m in ignore if m != "lm_head"]:
         (fmt, _), = by_format.values()
         groups = {"group_0": _scheme(fmt, ["Linear"])}
@@ -72,10 +71,9 @@ def _module_key(name: str):
     return (group_sort_key(group_of(name + ".weight")), name)
 
 
-def storage_dtype(source: ModelSource, name: str) -> torch.dtype:
+def storage_dtype(stored_dtype: str) -> torch.dtype:
     """Unquantized tensors keep a 16-bit model dtype; a float32 checkpoint is stored as bfloat16."""
-    dtype = next(t.dtype for t in source.tensors() if t.name == name)
-    return torch.float16 if dtype == "F16" else torch.bfloat16
+    return torch.float16 if stored_dtype == "F16" else torch.bfloat16
 
 
 def compress_tensor(name: str, weight: torch.Tensor, fmt, calibration, method: str, dense_dtype: torch.dtype
@@ -110,7 +108,8 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
         if not isinstance(fmt, (IntGroupFormat, DenseFormat)):
             raise CardfitError(f"format {fmt.name} of {name} is not a compressed-tensors format",
                                "plan from a vLLM map, or pack with --format gguf")
-    predicted = sum(fmt.tensor_bytes(name, _shape(source, name)) for name, fmt in formats.items())
+    shapes = {t.name: t.shape for t in source.tensors()}
+    predicted = sum(fmt.tensor_bytes(name, shapes[name]) for name, fmt in formats.items())
     if budget is not None and predicted > budget:
         from ..units import format_bytes
 
@@ -121,8 +120,6 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
     for k, (group, tensors) in enumerate(groups):
         layer = int(group.split(".")[1]) if group.startswith("layers.") else None
         stats = calibration.statistics(layer) if calibration is not None and layer is not None else {}
-        if calibration is not None and group == LM_HEAD:
-            stats = {}
         shard: dict[str, torch.Tensor] = {}
         effective: dict[str, torch.Tensor] = {}
         for t in tensors:
@@ -131,7 +128,7 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
             fmt = formats[t.name]
             rounding = method if method in fmt.methods() and t.name in stats else "rtn"
             stored, effective[t.name] = compress_tensor(t.name, source.read(t.name), fmt, stats.get(t.name),
-                                                        rounding, storage_dtype(source, t.name))
+                                                        rounding, storage_dtype(t.dtype))
             shard.update(stored)
             if progress:
                 progress(t.name)
@@ -155,6 +152,3 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     return {"file_bytes": size, "tensor_bytes": total, "tensors": len(weight_map), "warnings": []}
 
-
-def _shape(source: ModelSource, name: str) -> tuple[int, ...]:
-    return next(t.shape for t in source.tensors() if t.name == name)

@@ -1,0 +1,61 @@
+"""fit: the whole job on the embedded model, end to end, and a rerun that skips finished stages."""
+
+import json
+
+import pytest
+
+
+def test_fit_leaves_every_artifact(embedded_fit):
+    out, summary = embedded_fit
+    for name in ("sensitivity.json", "recipe.json", "model.gguf", "report.md", "sensitivity.png", "frontier.png",
+                 "frontier.json", "check.json", "fit.json"):
+        assert (out / name).exists(), name
+    from PIL import Image
+
+    for name in ("sensitivity.png", "frontier.png"):
+        with Image.open(out / name) as image:
+            assert image.width > 300 and image.height > 300
+            assert len(image.convert("RGB").getcolors(maxcolors=10**6)) > 50  # a real picture, not a blank canvas
+    report = (out / "report.md").read_text()
+    assert "## Budget" in report and "## Check" in report and "| layers.11 |" in report
+
+
+def test_fit_artifact_fits_loads_generates_and_passes_check(embedded_fit):
+    import llama_cpp
+
+    out, summary = embedded_fit
+    recipe = summary["recipe"]
+    budget = recipe["budget"]["weight_budget_bytes"]
+    assert (out / "model.gguf").stat().st_size <= budget
+    assert len({g["format"] for g in recipe["groups"]}) > 1  # the ceiling squeezes: the solver had to decide
+    assert recipe["uniform_bytes"]["Q2_K"] < recipe["bytes"] < recipe["uniform_bytes"]["Q8_0"]
+    assert summary["check"]["verdict"] == "pass"
+    assert summary["check"]["kld_mean"] < 0.5
+    llm = llama_cpp.Llama(str(out / "model.gguf"), n_ctx=128, verbose=False)
+    text = llm("The capital of France is", max_tokens=6, temperature=0)["choices"][0]["text"]
+    assert "Paris" in text
+
+
+def test_rerun_skips_finished_stages(embedded_fit, monkeypatch):
+    from cardfit import fit as fit_module
+    from cardfit import pack as pack_module
+    from cardfit.runner import StreamedModel
+
+    out, summary = embedded_fit
+    before = (out / "model.gguf").stat().st_mtime_ns
+
+    def no(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    monkeypatch.setattr(pack_module, "pack", no)
+    monkeypatch.setattr(StreamedModel, "__init__", no)  # neither the scan nor a check builds a model
+    again = fit_module.fit(out=out, max_tokens=512, seq_len=256, full_check=True, check_tokens=1024, progress=False,
+                           log=None)
+    assert (out / "model.gguf").stat().st_mtime_ns == before
+    assert again["recipe"] == summary["recipe"]
+    assert json.loads((out / "fit.json").read_text())["check"]["verdict"] == "pass"
+
+
+def test_fit_needs_vram_for_your_own_model(tiny_models, run_cli):
+    code, _, err = run_cli("fit", tiny_models["llama"])
+    assert code == 2 and "--vram" in err
