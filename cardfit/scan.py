@@ -292,4 +292,4 @@ def _progress(enabled: bool, total: int, done: int):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=done, unit="cell", dynamic_ncols=True)
+    return tqdm(total=total, initial=done, unit="cell", dynamic_ncols=True, disable=None)

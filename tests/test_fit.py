@@ -27,6 +27,9 @@ def test_fit_artifact_fits_loads_generates_and_passes_check(embedded_fit):
     recipe = summary["recipe"]
     budget = recipe["budget"]["weight_budget_bytes"]
     assert (out / "model.gguf").stat().st_size <= budget
+    packed = summary["pack"]
+    assert packed["tensor_bytes"] == recipe["bytes"]  # the file holds exactly the planned tensors
+    assert packed["file_bytes"] - packed["tensor_bytes"] <= recipe["reserved_bytes"]  # plus what plan reserved
     assert len({g["format"] for g in recipe["groups"]}) > 1  # the ceiling squeezes: the solver had to decide
     assert recipe["uniform_bytes"]["Q2_K"] < recipe["bytes"] < recipe["uniform_bytes"]["Q8_0"]
     assert summary["check"]["verdict"] == "pass"
@@ -37,9 +40,12 @@ def test_fit_artifact_fits_loads_generates_and_passes_check(embedded_fit):
 
 
 def test_rerun_skips_finished_stages(embedded_fit, monkeypatch):
-    from cardfit import fit as fit_module
-    from cardfit import pack as pack_module
+    import importlib
+
     from cardfit.runner import StreamedModel
+
+    fit_module = importlib.import_module("cardfit.fit")
+    pack_module = importlib.import_module("cardfit.pack")
 
     out, summary = embedded_fit
     before = (out / "model.gguf").stat().st_mtime_ns
