@@ -247,6 +247,25 @@ def fit_command(
         full_check=full_check, device=device, log=typer.echo)
 
 
+@app.command("compare")
+def compare_command(
+    model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
+    out: str = typer.Option("compare-out", help="Directory for the files and the table."),
+    map_path: Optional[str] = typer.Option(None, "--map", help="A llama.cpp sensitivity map (default: scan one)."),
+    presets: str = typer.Option(",".join(("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")),
+                                help="llama.cpp presets to meet at equal bytes."),
+    text: Optional[str] = typer.Option(None, help="Held-out text (default: bundled)."),
+    max_tokens: int = typer.Option(2048, help="Held-out tokens each artifact is measured over."),
+    scan_tokens: int = typer.Option(1024, help="Calibration tokens when compare scans the map itself."),
+):
+    """cardfit against llama.cpp's presets at equal bytes: KLD, top-1, perplexity (markdown + JSON + plot)."""
+    from .compare import compare, render_compare
+
+    result = compare(model, out, map_path, [p.strip() for p in presets.split(",") if p.strip()], text, max_tokens,
+                     scan_tokens=scan_tokens, log=typer.echo)
+    typer.echo(render_compare(result))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:

@@ -63,3 +63,31 @@ def plot_sensitivity(sensitivity: dict, path: str | Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
+
+
+def plot_compare(rows: list[dict], path: str | Path) -> None:
+    """Bytes against measured KLD: each shelf preset and cardfit's recipe at its size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mib = 2**20
+    for kind, marker, label in (("shelf", "s", "llama.cpp preset"), ("cardfit", "*", "cardfit at <= preset size")):
+        picked = [r for r in rows if r["kind"] == kind and "kld_mean" in r]
+        ax.scatter([r["bytes"] / mib for r in picked], [r["kld_mean"] for r in picked], marker=marker,
+                   s=90 if marker == "*" else 40, label=label, zorder=3)
+        if kind == "shelf":
+            for r in picked:
+                ax.annotate(r["preset"], (r["bytes"] / mib, r["kld_mean"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("file size (MiB)")
+    ax.set_ylabel("measured mean KLD vs reference (nats/token)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,226 @@
+"""Reliability: every row of docs/reliability.md — bad input, faults, security, determinism."""
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cardfit.errors import CardfitError
+from cardfit.plan import uniform_recipe
+from cardfit.sources import open_model
+
+# -- inputs -------------------------------------------------------------------------------------------
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_safetensors(tiny_models, tmp_path, run_cli):
+    model = copy_model(tiny_models["llama"], tmp_path / "m")
+    shard = model / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    code, _, err = run_cli("sizes", model)
+    assert code == 2 and "truncated" in err and "Traceback" not in err
+
+
+def test_corrupt_safetensors_header(tiny_models, tmp_path, run_cli):
+    model = copy_model(tiny_models["llama"], tmp_path / "m")
+    (model / "model.safetensors").write_bytes(b"\xff" * 64)
+    code, _, err = run_cli("sizes", model)
+    assert code == 2 and "not a readable safetensors file" in err
+
+
+def test_index_naming_a_missing_shard(tiny_sharded, tmp_path, run_cli):
+    model = copy_model(tiny_sharded, tmp_path / "m")
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    (model / first).unlink()
+    code, _, err = run_cli("sizes", model)
+    assert code == 2 and "missing" in err and first in err
+
+
+def test_gguf_with_a_type_gguf_py_cannot_read(tmp_path, run_cli):
+    code, _, err = run_cli("sizes", tmp_path / "nothing.gguf")
+    assert code == 2 and "no GGUF file" in err
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"GGUF" + b"\x00" * 60)
+    code, _, err = run_cli("sizes", bogus)
+    assert code == 2 and "GGUF" in err and "Traceback" not in err
+
+
+def test_recipe_edited_into_nonsense(tiny_models, tmp_path, run_cli):
+    model = tiny_models["llama"]
+    good = uniform_recipe(open_model(model), "Q8_0")
+    cases = {
+        "wrong-hash": lambda r: r["map"]["model"].__setitem__("fingerprint", "sha256:" + "0" * 64),
+        "missing-group": lambda r: r["groups"].pop(1),
+        "negative-bytes": lambda r: r["groups"][0].__setitem__("bytes", -5),
+        "nan-damage": lambda r: r["groups"][0].__setitem__("damage", float("nan")) or r.__setitem__("source", None),
+        "unknown-format": lambda r: r["groups"][0].__setitem__("format", "Q9_9"),
+        "not-a-recipe": lambda r: r.__setitem__("cardfit_recipe", 7),
+    }
+    for name, edit in cases.items():
+        recipe = json.loads(json.dumps(good))
+        edit(recipe)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(recipe))
+        code, _, err = run_cli("pack", path, "--model", model, "--out", tmp_path / f"{name}.gguf", "--no-smoke")
+        assert code == 2 and len(err.strip().splitlines()) == 1, (name, err)
+        assert not (tmp_path / f"{name}.gguf").exists()
+
+
+def test_map_edited_into_nonsense(tiny_models, tmp_path, run_cli):
+    from cardfit.scan import scan
+
+    text = tmp_path / "t.txt"
+    from cardfit.text import load_text
+
+    text.write_text(load_text(None)[0][:20000], encoding="utf-8")
+    scan(tiny_models["llama"], text, max_tokens=128, formats="Q8_0,Q4_0", seq_len=32, out=tmp_path / "m.json",
+         progress=False)
+    good = json.loads((tmp_path / "m.json").read_text())
+    for name, edit in {"nan": lambda m: m["groups"][1]["cells"]["Q4_0"].__setitem__("damage", float("nan")),
+                       "negative-bytes": lambda m: m["groups"][1]["bytes"].__setitem__("Q8_0", -1),
+                       "no-groups": lambda m: m.__setitem__("groups", [])}.items():
+        data = json.loads(json.dumps(good))
+        edit(data)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        code, _, err = run_cli("plan", path, "--weight-budget", "1GiB", "--out", tmp_path / "r.json")
+        assert code == 2 and "do not edit maps by hand" in err, name
+    code, _, err = run_cli("plan", tmp_path / "m.json", "--weight-budget", "1GiB", "--model", tiny_models["qwen2"],
+                           "--out", tmp_path / "r.json")
+    assert code == 2 and "another model" in err
+
+
+def test_output_path_unwritable(tiny_models, tmp_path, run_cli):
+    model = tiny_models["llama"]
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps(uniform_recipe(open_model(model), "Q8_0")))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = run_cli("pack", recipe, "--model", model, "--out", blocker / "sub" / "x.gguf", "--no-smoke")
+    assert code == 2 and "cannot create directory" in err
+
+
+# -- faults -------------------------------------------------------------------------------------------
+
+PACK_SCRIPT = """
+import sys
+from cardfit.pack import pack
+pack(sys.argv[1], sys.argv[2], sys.argv[3], progress=False, smoke=False)
+"""
+
+
+def test_sigkill_during_pack_leaves_no_artifact_and_a_rerun_succeeds(default_model_dir, tmp_path):
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps(uniform_recipe(open_model(default_model_dir), "Q8_0")))
+    out = tmp_path / "out" / "model.gguf"
+    proc = subprocess.Popen([sys.executable, "-c", PACK_SCRIPT, str(recipe), str(default_model_dir), str(out)])
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill it once the temporary file has data in it
+        parts = list(out.parent.glob(".model.gguf.*.part")) if out.parent.exists() else []
+        if parts and parts[0].stat().st_size > 20 * 2**20:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    from cardfit.pack import pack
+
+    pack(recipe, default_model_dir, out, progress=False)
+    assert out.stat().st_size > 100 * 2**20
+
+
+def test_memory_cap_too_small_says_what_to_do():
+    import torch
+
+    from cardfit.formats import get_format
+    from cardfit.quant import DeviceArena, gptq_quantize
+
+    w = torch.randn(256, 1024)
+    hessian = torch.eye(1024)
+    with pytest.raises(CardfitError, match="--memory-cap"):
+        gptq_quantize(get_format("W4A16-g128"), w, hessian, arena=DeviceArena("cpu", cap_bytes=64 * 1024))
+
+
+# -- security -----------------------------------------------------------------------------------------
+
+
+def test_no_pickle_loading_anywhere_in_the_package():
+    """torch.load and pickle never appear in cardfit's code: .bin checkpoints are refused, not read."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parent.parent / "cardfit"
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        assert "torch.load(" not in text and "import pickle" not in text and "pickle.load" not in text, path
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                      max_size=4), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(json_values)
+def test_map_and_recipe_readers_fail_only_cleanly(data):
+    from cardfit.maps import validate_map
+    from cardfit.recipes import validate_recipe
+
+    for validate in (validate_map, validate_recipe):
+        try:
+            validate(data)
+        except CardfitError:
+            pass
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(["cardfit_recipe", "runtime", "map", "groups", "budget", "source"]),
+                       json_values, max_size=6))
+def test_recipe_shaped_garbage_fails_cleanly(data):
+    from cardfit.recipes import validate_recipe
+
+    data.setdefault("cardfit_recipe", 1)
+    try:
+        validate_recipe(data)
+    except CardfitError:
+        pass
+
+
+# -- determinism --------------------------------------------------------------------------------------
+
+
+def test_same_inputs_give_byte_identical_map_recipe_and_artifact(tiny_models, tmp_path):
+    from cardfit.pack import pack
+    from cardfit.plan import plan
+    from cardfit.scan import scan
+    from cardfit.text import load_text
+
+    text = tmp_path / "t.txt"
+    text.write_text(load_text(None)[0][:20000], encoding="utf-8")
+    outputs = []
+    for run in ("a", "b"):
+        d = tmp_path / run
+        d.mkdir()
+        scan(tiny_models["llama"], text, max_tokens=128, formats="Q8_0,Q4_0", seq_len=32, out=d / "map.json",
+             progress=False)
+        from cardfit.atomic import write_json
+
+        write_json(d / "recipe.json", plan(d / "map.json", 16 * 2**20))
+        pack(d / "recipe.json", tiny_models["llama"], d / "model.gguf", progress=False, smoke=False,
+             method="imatrix", calibration=text, max_tokens=128, seq_len=32)
+        outputs.append([(d / n).read_bytes() for n in ("map.json", "recipe.json", "model.gguf")])
+    assert outputs[0] == outputs[1]
+    assert not math.isnan(json.loads(outputs[0][1])["predicted_damage"])
+    assert os.path.getsize(tmp_path / "a" / "model.gguf") > 0
