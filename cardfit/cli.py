@@ -88,6 +88,8 @@ def scan_command(
     rounding: str = typer.Option("rtn", help="Rounding each cell uses: rtn, imatrix, gptq, awq."),
     seq_len: int = typer.Option(512, help="Tokens per calibration chunk."),
     batch: int = typer.Option(4, help="Chunks per forward."),
+    method: str = typer.Option("exact", help="exact (measured KL, streamed) or fast (diagonal-Fisher estimate, "
+                                             "whole model resident)."),
 ):
     """Damage of every layer group at every format: the sensitivity map."""
     from .scan import scan
@@ -95,7 +97,7 @@ def scan_command(
 
     cap = parse_bytes(memory_cap, "--memory-cap") if memory_cap else None
     result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding, seq_len,
-                  batch, progress=True)
+                  batch, progress=True, method=method)
     cells = sum(len(g["cells"]) for g in result["groups"])
     typer.echo(f"scanned {len(result['groups'])} groups x {len(result['formats'])} formats = {cells} cells over "
                f"{result['calibration']['tokens']} tokens -> {out}")

@@ -67,8 +67,11 @@ def scan_groups(source: ModelSource, group_by: str) -> list[Group]:
     return out
 
 
+METHODS = {"exact": "exact", "fast": "fast (diagonal Fisher of sampled tokens, 1/2 dw^T F dw)"}
+
+
 def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Tensor, formats: list[Format],
-               group_by: str, rounding: str) -> dict:
+               group_by: str, rounding: str, method: str = "exact") -> dict:
     runtimes = {f.runtime for f in formats}
     if len(runtimes) > 1:
         raise CardfitError("formats mix runtimes (" + ", ".join(sorted(runtimes)) + ")",
@@ -80,7 +83,7 @@ def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Te
                   "num_layers": source.geometry.num_layers},
         "calibration": {"sha256": text_hash(text), "source": text_path.name, "tokens": int(chunks.numel()),
                         "seq_len": int(chunks.shape[1]), "chunks": int(chunks.shape[0])},
-        "damage": {"metric": "mean KL(P_ref || P_q), nats per token", "method": "exact"},
+        "damage": {"metric": "mean KL(P_ref || P_q), nats per token", "method": METHODS[method]},
         "rounding": rounding,
         "group_by": group_by,
         "runtime": runtimes.pop(),
@@ -203,12 +206,16 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
          formats: str | list[str] = "Q8_0,Q6_K,Q4_K,Q3_K,Q2_K", group_by: str = "layer",
          out: str | Path = "sensitivity.json", resume: bool = False, device: str = "cpu",
          memory_cap: int | None = None, rounding: str = "rtn", seq_len: int = 512, batch: int = 4,
-         progress: bool = True) -> dict:
+         progress: bool = True, method: str = "exact") -> dict:
     """Measure the damage of every group at every format; returns the map (also written to `out`)."""
     from transformers import AutoTokenizer
 
     from .runner import StreamedModel
 
+    if method not in METHODS:
+        raise CardfitError(f"unknown --method '{method}'", "use --method exact or --method fast")
+    if method == "fast" and rounding != "rtn":
+        raise CardfitError("the fast estimator prices RTN rounding only", "use --rounding rtn with --method fast")
     if rounding not in ROUNDINGS:
         raise CardfitError(f"unknown rounding '{rounding}'", "use " + ", ".join(ROUNDINGS))
     if max_tokens <= 0 or seq_len <= 1:
@@ -221,7 +228,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     text, text_path = load_text(calibration)
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path))
-    header = map_header(source, text, text_path, chunks, fmts, group_by, rounding)
+    header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method)
     out = Path(out)
     result = None
     if out.exists():
@@ -250,6 +257,8 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
             if f.name not in result["groups"][i]["cells"]]
     if not todo and result.get("complete"):
         return result  # a finished map of this very job: nothing to measure again
+    if method == "fast":
+        return _fast_cells(source, chunks, groups, todo, result, out, device, batch)
     stream = StreamedModel(source, device=device)
     budget = None if memory_cap is None else memory_cap // 2
     cache = ActivationCache(budget, spill_dir=out.parent)
@@ -293,3 +302,22 @@ def _progress(enabled: bool, total: int, done: int):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=done, unit="cell", dynamic_ncols=True, disable=None)
+
+
+def _fast_cells(source, chunks, groups, todo, result, out, device, batch) -> dict:
+    """Every cell from one Fisher estimate: ½ Σ F δw² over the group's tensors (no model runs per cell)."""
+    from .fisher import fisher_diagonal, predicted_kl
+
+    fisher = fisher_diagonal(source.path, chunks, device=device, batch=batch)
+    for i, group, fmt in todo:
+        damage = 0.0
+        for t in group.quantizable:
+            if fmt.storage(t.name, t.shape) == "F32" or t.name not in fisher:
+                continue
+            weight = source.read(t.name)
+            damage += predicted_kl(fisher[t.name], weight, fmt.roundtrip(t.name, weight, None, "rtn"))
+        result["groups"][i]["cells"][fmt.name] = {"damage": damage, "stderr": None, "top1": None}
+    result["separable_fraction"] = None
+    result["complete"] = True
+    write_json(out, result)
+    return result

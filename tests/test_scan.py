@@ -137,3 +137,19 @@ def test_map_for_another_model_is_refused(tiny_models, tmp_path, run_cli):
     code, _, err = run_cli("scan", tiny_models["qwen2"], "--calibration", text, "--out", out, "--resume",
                            "--max-tokens", "256", "--formats", FORMATS, "--seq-len", "32")
     assert code == 2 and "another model" in err
+
+
+def test_fast_estimator_agrees_with_exact_cells(tiny_models, tmp_path):
+    """½ δwᵀ F δw is the second-order expansion of the very KL the exact scan measures."""
+    from scipy.stats import spearmanr
+
+    text = small_text(tmp_path)
+    exact = run_scan(tiny_models["llama"], text, tmp_path / "exact.json")
+    fast = run_scan(tiny_models["llama"], text, tmp_path / "fast.json", method="fast")
+    assert fast["damage"]["method"].startswith("fast") and exact["damage"]["method"] == "exact"
+    pairs = [(ge["cells"][f]["damage"], gf["cells"][f]["damage"])
+             for ge, gf in zip(exact["groups"], fast["groups"]) for f in ge["cells"]]
+    assert spearmanr(*zip(*pairs)).statistic > 0.9
+    for e, f in pairs:
+        if e > 1e-6:
+            assert 0.5 < f / e < 2, (e, f)
