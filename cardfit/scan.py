@@ -121,7 +121,7 @@ class _Scanner:
             self.cache.put(self.layers, b, h)
         with self._head():
             for b, (ids, h) in enumerate(zip(self.batches, hidden)):
-                logits = self.stream.logits(h)
+                logits = torch.cat([self.stream.logits(h[r:r + 1]) for r in range(h.shape[0])])  # as cells compute it
                 if self.keep_reference:
                     self.ref_logits[b] = logits
                 meter.nll_sum += float(token_nll(logits, ids).sum())
@@ -181,10 +181,12 @@ class _Scanner:
         # loads the head it needs, unquantized for a recomputed reference, quantized for the cell.
         with contextlib.nullcontext() if touched else self._head():
             for b, h in enumerate(hidden):
-                ref = self.ref_logits.get(b)
-                if ref is None:  # not kept (over the memory budget): recompute from the cached final hidden
-                    ref = self.stream.logits(self.cache.get(self.layers, b))
-                meter.add(ref, self.stream.logits(h, overrides))
+                kept = self.ref_logits.get(b)
+                final = None if kept is not None else self.cache.get(self.layers, b)
+                for r in range(h.shape[0]):  # one sequence at a time: two (tokens x vocab) logits alive, not two batches
+                    # not kept (over the memory budget): recompute from the cached final hidden
+                    ref = kept[r:r + 1] if kept is not None else self.stream.logits(final[r:r + 1])
+                    meter.add(ref, self.stream.logits(h[r:r + 1], overrides))
         return meter
 
 
