@@ -76,7 +76,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             rows.append({"name": f"cardfit <= {preset}", "kind": "cardfit", "preset": preset, "error": str(exc)})
             continue
         mine = out / f"cardfit-{preset}.gguf"
-        pack(recipe, model, mine, force=True, progress=False)
+        pack(recipe, model, mine, force=True, progress=False, smoke=False)  # measured in full below
         row = {"name": f"cardfit <= {preset}", "kind": "cardfit", "preset": preset,
                "predicted_damage": recipe["predicted_damage"],
                **_measure(mine, reference, text, max_tokens, seq_len)}

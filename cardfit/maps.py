@@ -9,16 +9,25 @@ from pathlib import Path
 from .errors import CardfitError
 
 
-def read_map(path: str | Path) -> dict:
+def read_json(path: str | Path, what: str, producer: str):
+    """A JSON artifact another stage wrote, or one clear error naming the stage that makes it."""
     path = Path(path)
     if not path.is_file():
-        raise CardfitError(f"no sensitivity map at {path}", "run cardfit scan first")
+        raise CardfitError(f"no {what} at {path}", f"run {producer} first")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CardfitError(f"{path} is not valid JSON ({exc})", "re-run cardfit scan") from None
+        raise CardfitError(f"{path} is not valid JSON ({exc})", f"re-run {producer}") from None
+
+
+def read_map(path: str | Path) -> dict:
+    data = read_json(path, "sensitivity map", "cardfit scan")
     validate_map(data, str(path))
     return data
+
+
+def valid_damage(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def validate_map(data, where: str = "map") -> None:
@@ -53,10 +62,8 @@ def validate_map(data, where: str = "map") -> None:
         for f, cell in cells.items():
             if f not in formats or not isinstance(cell, dict):
                 bad(f"group {g['name']} has a cell for unknown format {f!r}")
-            damage = cell.get("damage")
-            if not isinstance(damage, (int, float)) or isinstance(damage, bool) or not math.isfinite(damage) \
-                    or damage < 0:
-                bad(f"group {g['name']} @ {f} has invalid damage {damage!r}")
+            if not valid_damage(cell.get("damage")):
+                bad(f"group {g['name']} @ {f} has invalid damage {cell.get('damage')!r}")
     model = data.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("fingerprint"), str):
         bad("model fingerprint missing")

@@ -1,4 +1,4 @@
-"""Pictures: the Pareto frontier with the shelf's uniform formats on the same axes."""
+"""Pictures: the Pareto frontier, the sensitivity heat map, and the comparison with the shelf."""
 
 from __future__ import annotations
 
@@ -7,11 +7,25 @@ from pathlib import Path
 from .atomic import atomic_path
 
 
-def plot_frontier(points: list[dict], problem, path: str | Path, chosen: tuple[int, float] | None = None) -> None:
+def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only: no display on servers
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path, dpi: int) -> None:
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+    plt.close(fig)
+
+
+def plot_frontier(points: list[dict], problem, path: str | Path, chosen: tuple[int, float] | None = None) -> None:
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     mib = 2**20
@@ -30,17 +44,12 @@ def plot_frontier(points: list[dict], problem, path: str | Path, chosen: tuple[i
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    _save(fig, path, dpi=120)
 
 
 def plot_sensitivity(sensitivity: dict, path: str | Path) -> None:
     """Groups x formats, damage on a log colour scale: where the model is fragile at a glance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     import numpy as np
     from matplotlib.colors import LogNorm
 
@@ -60,17 +69,12 @@ def plot_sensitivity(sensitivity: dict, path: str | Path) -> None:
     ax.set_title(f"damage (mean KL, nats/token) — {sensitivity['model']['name']}", fontsize=9)
     fig.colorbar(image, ax=ax, label="KL(P_ref || P_q)")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    _save(fig, path, dpi=110)
 
 
 def plot_compare(rows: list[dict], path: str | Path) -> None:
     """Bytes against measured KLD: each shelf preset and cardfit's recipe at its size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     mib = 2**20
@@ -88,6 +92,4 @@ def plot_compare(rows: list[dict], path: str | Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    _save(fig, path, dpi=120)

@@ -3,24 +3,17 @@ format for every tensor of the model they were planned for."""
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 from .errors import CardfitError
 from .formats import Format, get_format
+from .maps import check_map_model, read_json, valid_damage
 from .sizes import priced_tensors
 from .sources import EMBED, LM_HEAD, ModelSource
 
 
 def read_recipe(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise CardfitError(f"no recipe at {path}", "run cardfit plan first")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CardfitError(f"{path} is not valid JSON ({exc})", "re-run cardfit plan") from None
+    data = read_json(path, "recipe", "cardfit plan")
     validate_recipe(data, str(path))
     return data
 
@@ -53,7 +46,7 @@ def validate_recipe(data, where: str = "recipe") -> None:
         damage = g.get("damage")
         if damage is None and data.get("source") == "uniform":  # a shelf preset: nothing was scanned
             continue
-        if not isinstance(damage, (int, float)) or isinstance(damage, bool) or not math.isfinite(damage) or damage < 0:
+        if not valid_damage(damage):
             bad(f"group {g['name']} has invalid damage {damage!r}")
     budget = (data.get("budget") or {}).get("weight_budget_bytes")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
@@ -62,8 +55,6 @@ def validate_recipe(data, where: str = "recipe") -> None:
 
 def check_model(recipe: dict, source: ModelSource) -> None:
     """Refuse to apply a recipe to a model other than the one its map was measured on."""
-    from .maps import check_map_model
-
     check_map_model(recipe["map"], source)
 
 

@@ -102,3 +102,13 @@ def embedded_fit(tmp_path_factory):
     out = tmp_path_factory.mktemp("fit") / "run"
     summary = fit(out=out, max_tokens=512, seq_len=256, full_check=True, check_tokens=1024, progress=False, log=None)
     return out, summary
+
+
+@pytest.fixture()
+def calib_text(tmp_path):
+    """A short calibration text (the start of the bundled one) as a file."""
+    from cardfit.text import load_text
+
+    path = tmp_path / "calib.txt"
+    path.write_text(load_text(None)[0][:20000], encoding="utf-8")
+    return path

@@ -3,14 +3,12 @@
 import json
 
 
-def test_compare_meets_each_preset_at_equal_bytes(tiny_model, tmp_path):
+def test_compare_meets_each_preset_at_equal_bytes(tiny_model, tmp_path, calib_text):
     from cardfit.compare import compare
     from cardfit.scan import scan
-    from cardfit.text import load_text
 
     model_dir = tiny_model("llama-wide")
-    text = tmp_path / "calib.txt"
-    text.write_text(load_text(None)[0][:20000], encoding="utf-8")
+    text = calib_text
     scan(model_dir, text, max_tokens=256, formats="Q8_0,Q4_0,Q2_K", seq_len=32, out=tmp_path / "map.json",
          progress=False)
     result = compare(model_dir, tmp_path / "cmp", tmp_path / "map.json", ["Q8_0", "Q4_0"], text=text,

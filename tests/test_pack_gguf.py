@@ -67,15 +67,12 @@ def test_without_the_converter_transforms_llama_cpp_disagrees(tiny_model, tmp_pa
     assert relative_error(llama_cpp_logits(out, IDS), hf_logits(model_dir, IDS)) > 0.05
 
 
-def test_planned_recipe_file_fits_its_budget_and_bytes_match_the_plan(tiny_model, tmp_path):
+def test_planned_recipe_file_fits_its_budget_and_bytes_match_the_plan(tiny_model, tmp_path, calib_text):
     from cardfit.plan import plan
     from cardfit.scan import scan
-    from cardfit.text import load_text
 
     model_dir = tiny_model("llama")
-    text = tmp_path / "calib.txt"
-    text.write_text(load_text(None)[0][:20000], encoding="utf-8")
-    scan(model_dir, text, max_tokens=256, formats="Q8_0,Q4_0,Q2_K", seq_len=32, out=tmp_path / "map.json",
+    scan(model_dir, calib_text, max_tokens=256, formats="Q8_0,Q4_0,Q2_K", seq_len=32, out=tmp_path / "map.json",
          progress=False)
     source = open_model(model_dir)
     reserve = reserve_bytes(source, "llama.cpp")

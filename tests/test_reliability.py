@@ -79,14 +79,10 @@ def test_recipe_edited_into_nonsense(tiny_models, tmp_path, run_cli):
         assert not (tmp_path / f"{name}.gguf").exists()
 
 
-def test_map_edited_into_nonsense(tiny_models, tmp_path, run_cli):
+def test_map_edited_into_nonsense(tiny_models, tmp_path, run_cli, calib_text):
     from cardfit.scan import scan
 
-    text = tmp_path / "t.txt"
-    from cardfit.text import load_text
-
-    text.write_text(load_text(None)[0][:20000], encoding="utf-8")
-    scan(tiny_models["llama"], text, max_tokens=128, formats="Q8_0,Q4_0", seq_len=32, out=tmp_path / "m.json",
+    scan(tiny_models["llama"], calib_text, max_tokens=128, formats="Q8_0,Q4_0", seq_len=32, out=tmp_path / "m.json",
          progress=False)
     good = json.loads((tmp_path / "m.json").read_text())
     for name, edit in {"nan": lambda m: m["groups"][1]["cells"]["Q4_0"].__setitem__("damage", float("nan")),
@@ -201,14 +197,12 @@ def test_recipe_shaped_garbage_fails_cleanly(data):
 # -- determinism --------------------------------------------------------------------------------------
 
 
-def test_same_inputs_give_byte_identical_map_recipe_and_artifact(tiny_models, tmp_path):
+def test_same_inputs_give_byte_identical_map_recipe_and_artifact(tiny_models, tmp_path, calib_text):
     from cardfit.pack import pack
     from cardfit.plan import plan
     from cardfit.scan import scan
-    from cardfit.text import load_text
 
-    text = tmp_path / "t.txt"
-    text.write_text(load_text(None)[0][:20000], encoding="utf-8")
+    text = calib_text
     outputs = []
     for run in ("a", "b"):
         d = tmp_path / run
