@@ -15,7 +15,8 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     """A random model of a real architecture, with SmolLM2's tokenizer so text can be fed to it."""
     import shutil
 
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
 
     from cardfit.default_model import default_model_dir
 
@@ -36,6 +37,8 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
                                   query_pre_attn_scalar=16)
     elif kind == "qwen3":
         config = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    elif kind == "mistral":
+        config = MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     elif kind == "llama-wide":  # rows that group 128 divides, as in every real model
         config = LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=True)
     else:

@@ -30,6 +30,7 @@ def test_fit_artifact_fits_loads_generates_and_passes_check(embedded_fit):
     packed = summary["pack"]
     assert packed["tensor_bytes"] == recipe["bytes"]  # the file holds exactly the planned tensors
     assert packed["file_bytes"] - packed["tensor_bytes"] <= recipe["reserved_bytes"]  # plus what plan reserved
+    assert (budget - packed["file_bytes"]) / budget < 0.01  # a squeezing budget is used, not left on the table
     assert len({g["format"] for g in recipe["groups"]}) > 1  # the ceiling squeezes: the solver had to decide
     assert recipe["uniform_bytes"]["Q2_K"] < recipe["bytes"] < recipe["uniform_bytes"]["Q8_0"]
     assert summary["check"]["verdict"] == "pass"

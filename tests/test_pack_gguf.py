@@ -41,7 +41,7 @@ def relative_error(a, b):
 IDS = [504, 2365, 6354, 16438, 216, 33, 34, 35, 36, 37, 1792, 314, 253, 1015, 30, 2114, 601, 28, 5]
 
 
-@pytest.mark.parametrize("kind", ["llama-sharp", "qwen2-sharp", "qwen3-sharp", "gemma3-llamacpp-sharp"])
+@pytest.mark.parametrize("kind", ["llama-sharp", "mistral-sharp", "qwen2-sharp", "qwen3-sharp", "gemma3-llamacpp-sharp"])
 def test_llama_cpp_computes_what_transformers_computes(tiny_model, tmp_path, kind):
     """F16 storage: llama.cpp's logits equal transformers' up to f16 rounding, so names, q/k permutation
     (Llama), norm offset (Gemma 3), biases (Qwen2) and q/k norms (Qwen3) are all right."""
