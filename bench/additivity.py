@@ -1,0 +1,56 @@
+"""Additivity audit: the planner assumes the damage of a recipe is the sum of its cells. How true is that?
+
+For budgets spread between the smallest and the largest recipe, plan from an exact map, pack, and
+measure the artifact in llama.cpp on the *same* calibration tokens the map was scanned on (so only
+additivity and the runtime differ from the prediction) and on held-out text.
+
+    python bench/additivity.py --map compare-out/sensitivity.json --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cardfit.check import check
+from cardfit.pack import pack, reserve_bytes
+from cardfit.plan import plan
+from cardfit.sources import open_model
+from cardfit.text import bundled_text
+from cardfit.units import format_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--map", required=True, help="an exact llama.cpp map of the embedded model")
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--points", type=int, default=8)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sensitivity = json.loads(Path(args.map).read_text())
+    calib = sensitivity["calibration"]
+    reserve = reserve_bytes(open_model(None), "llama.cpp")
+    sizes = [sum(g["bytes"][f] for g in sensitivity["groups"]) for f in sensitivity["formats"]]
+    low, high = min(sizes), max(sizes)
+    print("| budget | predicted (sum of cells) | measured, same calibration tokens | ratio | measured, held-out |")
+    print("|---|---|---|---|---|")
+    ratios = []
+    for k in range(args.points):
+        budget = reserve + int(low + (k + 0.5) / args.points * (high - low))
+        recipe = plan(args.map, budget, reserve_bytes=reserve)
+        artifact = out / f"additivity-{k}.gguf"
+        pack(recipe, None, artifact, force=True, progress=False, smoke=False)
+        same = check(artifact, "default", bundled_text("calibration"), calib["tokens"], calib["seq_len"])
+        held = check(artifact, "default", None, 2048, 512)
+        ratio = same["kld_mean"] / recipe["predicted_damage"]
+        ratios.append(ratio)
+        print(f"| {format_bytes(budget)} | {recipe['predicted_damage']:.4f} | {same['kld_mean']:.4f} ± "
+              f"{same['kld_stderr']:.4f} | {ratio:.2f} | {held['kld_mean']:.4f} ± {held['kld_stderr']:.4f} |",
+              flush=True)
+    print(f"measured / predicted: min {min(ratios):.2f}, max {max(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
