@@ -268,6 +268,21 @@ def compare_command(
     typer.echo(render_compare(result))
 
 
+@app.command("bench")
+def bench_command(
+    artifact: str = typer.Argument(..., help="A .gguf artifact."),
+    vram: Optional[str] = typer.Option(None, help="Also report the context (tokens) that fits this card."),
+    prompt_tokens: int = typer.Option(256, help="Prompt length for the prompt-processing speed."),
+    gen_tokens: int = typer.Option(32, help="Tokens to generate for the generation speed."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Serving cost in llama.cpp: load time, memory, prompt and generation tokens/s, context that fits."""
+    from .bench import bench, render_bench
+
+    result = bench(artifact, vram, prompt_tokens, gen_tokens)
+    typer.echo(json.dumps(result, indent=2) if as_json else render_bench(result))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:
