@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from .compare import DEFAULT_PRESETS
 from .errors import CardfitError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -254,8 +255,7 @@ def compare_command(
     model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
     out: str = typer.Option("compare-out", help="Directory for the files and the table."),
     map_path: Optional[str] = typer.Option(None, "--map", help="A llama.cpp sensitivity map (default: scan one)."),
-    presets: str = typer.Option(",".join(("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")),
-                                help="llama.cpp presets to meet at equal bytes."),
+    presets: str = typer.Option(",".join(DEFAULT_PRESETS), help="llama.cpp presets to meet at equal bytes."),
     text: Optional[str] = typer.Option(None, help="Held-out text (default: bundled)."),
     max_tokens: int = typer.Option(2048, help="Held-out tokens each artifact is measured over."),
     scan_tokens: int = typer.Option(1024, help="Calibration tokens when compare scans the map itself."),
