@@ -134,9 +134,8 @@ def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dic
     for g in recipe["groups"]:
         row = " | ".join(f"{cells[g['name']][f]['damage']:.5f}" for f in formats)
         lines.append(f"| {g['name']} | {g['format']} | {format_bytes(g['bytes'])} | {g['damage']:.5f} | {row} |")
-    size = packed["file_bytes"] if packed["format"] == "gguf" else packed["tensor_bytes"]
     lines += ["", "## Artifact", "", f"`{artifact.name}` ({packed['format']}, {packed['method']} rounding): "
-              f"{format_bytes(size)}, margin {format_bytes(packed['margin_bytes'])} under the weight budget."]
+              f"{format_bytes(packed['counted_bytes'])}, margin {format_bytes(packed['margin_bytes'])} under the weight budget."]
     if packed.get("smoke"):
         lines.append(f"Smoke check: perplexity {packed['smoke']['perplexity']:.4f} over {packed['smoke']['tokens']} "
                      f"tokens (ceiling {packed['smoke']['ceiling']:g}): passed.")

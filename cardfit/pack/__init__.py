@@ -67,13 +67,12 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
     finally:
         if bar:
             bar.close()
-    budget_bytes = budget
-    measured = result["file_bytes"] if fmt == "gguf" else result["tensor_bytes"]
+    # What the budget holds: the whole GGUF file; for compressed-tensors the weights (headers stay on the host).
+    counted = result["file_bytes"] if fmt == "gguf" else result["tensor_bytes"]
     return {"artifact": str(out), "format": fmt, "method": method, "groups": len(data["groups"]),
-            "file_bytes": result["file_bytes"], "tensor_bytes": result["tensor_bytes"],
-            "planned_bytes": data["bytes"], "weight_budget_bytes": budget_bytes,
-            "margin_bytes": budget_bytes - measured, "predicted_damage": data["predicted_damage"],
-            "warnings": result["warnings"], "smoke": result["smoke"]}
+            "file_bytes": result["file_bytes"], "tensor_bytes": result["tensor_bytes"], "counted_bytes": counted,
+            "planned_bytes": data["bytes"], "weight_budget_bytes": budget, "margin_bytes": budget - counted,
+            "predicted_damage": data["predicted_damage"], "warnings": result["warnings"], "smoke": result["smoke"]}
 
 
 def _smoke(path, source, fmt, enabled, ceiling, bar):
@@ -89,9 +88,9 @@ def _smoke(path, source, fmt, enabled, ceiling, bar):
 
 
 def render_pack(report: dict) -> str:
-    counted = "file" if report["format"] == "gguf" else "weights"
-    size = report["file_bytes"] if report["format"] == "gguf" else report["tensor_bytes"]
-    line = (f"packed {report['groups']} groups -> {report['artifact']} ({format_bytes(size)} {counted}), "
+    what = "file" if report["format"] == "gguf" else "weights"
+    size = format_bytes(report["counted_bytes"])
+    line = (f"packed {report['groups']} groups -> {report['artifact']} ({size} {what}), "
             f"weight budget {format_bytes(report['weight_budget_bytes'])}, "
             f"margin {format_bytes(report['margin_bytes'])} under")
     lines = [line]
