@@ -30,19 +30,10 @@ class LayerCalibration:
     @torch.no_grad()
     def statistics(self, index: int) -> dict[str, Calibration]:
         """Per-tensor statistics of decoder layer `index` on the current hidden states."""
-        from .quant.model import _LinearStats
+        from .quant.model import layer_statistics
 
-        group = f"layers.{index}"
-        names = [t.name for t in self.stream.groups[group] if len(t.shape) == 2]
-        with self.stream.resident(group):
-            stats = _LinearStats(self.stream, names, self.method, self.awq_samples, seed=index)
-            try:
-                for j, h in enumerate(self.hidden):
-                    self.stream.run_layer(index, h)
-                    if j == 0:
-                        stats.end_first_batch()
-            finally:
-                stats.close()
+        names = [t.name for t in self.stream.groups[f"layers.{index}"] if len(t.shape) == 2]
+        stats = layer_statistics(self.stream, index, names, self.method, self.hidden, self.awq_samples, seed=index)
         return {n: stats.calibration(n) for n in names}
 
     @torch.no_grad()

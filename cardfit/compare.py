@@ -96,7 +96,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
 
 
 def render_compare(result: dict) -> str:
-    lines = [f"| artifact | file size | mean KLD | p99 KLD | top-1 | perplexity | KLD vs preset |",
+    lines = ["| artifact | file size | mean KLD | p99 KLD | top-1 | perplexity | KLD vs preset |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "error" in r:

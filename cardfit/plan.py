@@ -204,19 +204,12 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
 
     data = read_map(map_path)
     problem = Problem.from_map(data, formats, pins, floors)
-    if reserve_bytes >= weight_budget:
+    solution = _solve(problem, weight_budget - reserve_bytes) if reserve_bytes < weight_budget else None
+    if solution is None:  # the minimum is stated against the whole budget, reserve included
         from .budget import no_fit_message
 
         raise CardfitError(no_fit_message(weight_budget, minimum_bytes(problem) + reserve_bytes),
                            "raise --vram, lower --context, or allow smaller --formats")
-    try:
-        solution = solve(problem, weight_budget - reserve_bytes)
-    except CardfitError as exc:
-        if not reserve_bytes:
-            raise
-        from .budget import no_fit_message
-
-        raise CardfitError(no_fit_message(weight_budget, minimum_bytes(problem) + reserve_bytes), exc.fix) from None
     uniform = {f: int(problem.bytes[:, j].sum()) for j, f in enumerate(problem.formats)}
     return {
         "cardfit_recipe": RECIPE_VERSION,

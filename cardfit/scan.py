@@ -18,6 +18,7 @@ per token, plus one layer-forward per group to gather GPTQ/AWQ/imatrix statistic
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,17 +139,11 @@ class _Scanner:
         """Statistics the rounding needs for each tensor of the group, from reference inputs."""
         if self.rounding == "rtn" or group.start < 0 or group.start >= self.layers:
             return {}
-        from .quant.model import _LinearStats
+        from .quant.model import layer_statistics
 
         names = [t.name for t in group.quantizable]
-        layer = f"layers.{group.start}"
-        with self.stream.resident(layer):
-            stats = _LinearStats(self.stream, names, self.rounding, awq_samples=4096)
-            try:
-                for b in range(len(self.batches)):
-                    self.stream.run_layer(group.start, self.cache.get(group.start, b))
-            finally:
-                stats.close()
+        inputs = (self.cache.get(group.start, b) for b in range(len(self.batches)))
+        stats = layer_statistics(self.stream, group.start, names, self.rounding, inputs)
         return {n: stats.calibration(n) for n in names}
 
     def quantized(self, group: Group, fmt: Format, calibration: dict[str, Calibration]) -> dict[str, torch.Tensor]:
@@ -300,17 +295,24 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     return result
 
 
-def _return_freed_memory() -> None:
-    """Hand freed heap back to the system (glibc keeps it otherwise): the scan's peak RSS drops ~250 MiB
-    on the embedded model. A no-op where there is no glibc."""
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once (find_library may run ldconfig); None where there is no glibc."""
     import ctypes
     import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
     except (OSError, AttributeError, TypeError):
-        pass
+        return None
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap back to the system (glibc keeps it otherwise): the scan's peak RSS drops ~250 MiB
+    on the embedded model."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _progress(enabled: bool, total: int, done: int):

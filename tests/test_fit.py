@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 
 def test_fit_leaves_every_artifact(embedded_fit):
     out, summary = embedded_fit

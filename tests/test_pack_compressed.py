@@ -39,7 +39,6 @@ def test_uniform_w4a16_declares_llmcompressors_scheme(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_transformers_loads_exactly_our_weights(tiny_model, tmp_path, method):
-    from cardfit.formats import Calibration
     from cardfit.quant import quantize_int
 
     model_dir = tiny_model("llama-wide")

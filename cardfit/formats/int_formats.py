@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .base import Calibration, Format, numel
+from .base import Format, numel
 
 QUANTIZABLE_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                         "up_proj.weight", "down_proj.weight", "qkv_proj.weight", "gate_up_proj.weight",

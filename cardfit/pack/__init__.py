@@ -131,9 +131,8 @@ def reserve_bytes(source, runtime: str, scratch_dir: str | Path | None = None) -
         return 0
     from ..formats import get_format
     from ..sizes import priced_tensors
-    from .gguf_pack import ALIGNMENT, GgufPlan, header_bytes
+    from .gguf_pack import GgufPlan, header_bytes
 
     any_format = get_format("Q8_0")  # the tensor table's size does not depend on the types chosen
     plan = GgufPlan(source, {t.name: any_format for t in priced_tensors(source)})
-    padding_now = sum((-e[4]) % ALIGNMENT for e in plan.entries)
-    return header_bytes(source, plan, scratch_dir) - padding_now + (ALIGNMENT - 1) * len(plan.entries)
+    return plan.reserve_bytes(header_bytes(source, plan, scratch_dir))

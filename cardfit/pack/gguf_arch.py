@@ -143,8 +143,6 @@ class ArchSpec:
 
     # -- tensors ------------------------------------------------------------------------------------
     def tensor_name(self, hf_name: str) -> str:
-        import gguf
-
         mapping = _name_map(self.arch, int(self.config["num_hidden_layers"]))
         name = mapping.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:

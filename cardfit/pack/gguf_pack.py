@@ -10,7 +10,6 @@ and appended. No f16 intermediate file is ever written.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from ..errors import CardfitError
 from ..formats import GgmlFormat
@@ -58,6 +57,15 @@ class GgufPlan:
     def tensor_bytes(self) -> int:
         return sum(e[4] for e in self.entries) + sum(a.nbytes for a in self.extra.values())
 
+    def file_bytes(self, header: int) -> int:
+        """The whole file: the header padded to the alignment, then every tensor padded."""
+        return _pad(header) + sum(_pad(e[4]) for e in self.entries) + sum(_pad(a.nbytes) for a in self.extra.values())
+
+    def reserve_bytes(self, header: int) -> int:
+        """The file beside the recipe's tensor data, whatever their types: header, extra tensors, and the
+        most alignment padding any tensor can need."""
+        return _pad(header) + sum(_pad(a.nbytes) for a in self.extra.values()) + (ALIGNMENT - 1) * len(self.entries)
+
     def file_type(self) -> int:
         counts: dict[str, int] = {}
         for _, _, storage, _, nbytes in self.entries:
@@ -87,7 +95,7 @@ def _writer(path, source: ModelSource, plan: GgufPlan, name: str):
 
 
 def header_bytes(source: ModelSource, plan: GgufPlan, scratch_dir) -> int:
-    """Bytes of everything but tensor data (metadata, tokenizer, tensor table, alignment padding)."""
+    """Bytes of the header (metadata, tokenizer, tensor table), measured by writing it."""
     import tempfile
     from pathlib import Path
 
@@ -99,23 +107,19 @@ def header_bytes(source: ModelSource, plan: GgufPlan, scratch_dir) -> int:
         writer.write_ti_data_to_file()
         size = writer.fout[0].tell()
         writer.close()
-    return _pad(size) + sum(_pad(e[4]) - e[4] for e in plan.entries) + \
-        sum(_pad(a.nbytes) - a.nbytes for a in plan.extra.values())
+    return size
 
 
 def write_gguf(path, source: ModelSource, formats: dict, budget: int | None, method: str = "rtn",
                calibration=None, name: str | None = None, progress=None) -> dict:
     """Write the artifact at `path` (a temporary name: the caller renames it into place)."""
-    import gguf
-
     plan = GgufPlan(source, formats)
     writer, warnings = _writer(path, source, plan, name or source.path.name)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     fout = writer.fout[0]
-    predicted = _pad(fout.tell()) + sum(_pad(e[4]) for e in plan.entries) + \
-        sum(_pad(a.nbytes) for a in plan.extra.values())
+    predicted = plan.file_bytes(fout.tell())
     if budget is not None and predicted > budget:
         writer.close()
         from ..units import format_bytes
@@ -125,7 +129,6 @@ def write_gguf(path, source: ModelSource, formats: dict, budget: int | None, met
                            "re-plan with the metadata reserved (cardfit plan --model), or raise the budget")
     _check_free_space(path, predicted - fout.tell())
     current_layer, stats = None, {}
-    overrides: dict[str, torch.Tensor] = {}
     for hf_name, gguf_name, storage, shape, nbytes in plan.entries:
         layer = _layer_index(hf_name)
         if calibration is not None:

@@ -8,8 +8,6 @@ down_proj whose Hessian alone is 1.4 GB quantizes under a 512 MiB cap.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .device import DeviceArena

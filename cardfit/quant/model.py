@@ -74,6 +74,22 @@ class _LinearStats:
 
 
 @torch.no_grad()
+def layer_statistics(stream, index: int, names: list[str], method: str, hidden, awq_samples: int = 4096,
+                     seed: int = 0) -> _LinearStats:
+    """Run decoder layer `index` over every batch of `hidden`, recording what `method` needs of `names`."""
+    with stream.resident(f"layers.{index}"):
+        stats = _LinearStats(stream, names, method, awq_samples, seed=seed)
+        try:
+            for j, h in enumerate(hidden):
+                stream.run_layer(index, h)
+                if j == 0:
+                    stats.end_first_batch()
+        finally:
+            stats.close()
+    return stats
+
+
+@torch.no_grad()
 def quantize_model(stream, chunks: torch.Tensor, format_for: Callable[[str], Format | None], method: str = "rtn",
                    batch: int = 4, awq_samples: int = 4096, progress: Callable[[str], None] | None = None
                    ) -> dict[str, torch.Tensor]:
@@ -87,17 +103,9 @@ def quantize_model(stream, chunks: torch.Tensor, format_for: Callable[[str], For
     for index in range(len(stream.layers)):
         group = f"layers.{index}"
         names = [t.name for t in stream.groups[group] if len(t.shape) == 2 and format_for(t.name) is not None]
-        with stream.resident(group):
-            stats = _LinearStats(stream, names, method, awq_samples, seed=index)
-            try:
-                for j, h in enumerate(hidden):
-                    stream.run_layer(index, h)
-                    if j == 0:
-                        stats.end_first_batch()
-            finally:
-                stats.close()
-            for shared in stats.input_groups():
-                _quantize_shared(stream, shared, stats, format_for, method, overrides)
+        stats = layer_statistics(stream, index, names, method, hidden, awq_samples, seed=index)
+        for shared in stats.input_groups():
+            _quantize_shared(stream, shared, stats, format_for, method, overrides)
         with stream.resident(group, overrides):
             hidden = [stream.run_layer(index, h) for h in hidden]
         if progress:
