@@ -18,11 +18,15 @@ def token_kl(ref_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return torch.sum(torch.exp(ref) * (ref - q), dim=-1).clamp_min(0)
 
 
+def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of targets[..., t] under logits[..., t, :]."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return -logp.gather(-1, targets.to(logp.device).unsqueeze(-1)).squeeze(-1)
+
+
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token negative log-likelihood for positions 0..T-2."""
-    logp = torch.log_softmax(logits[..., :-1, :].to(torch.float32), dim=-1)
-    target = input_ids[..., 1:].to(logp.device)
-    return -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return target_nll(logits[..., :-1, :], input_ids[..., 1:])
 
 
 @dataclass
@@ -46,18 +50,23 @@ class DistanceMeter:
         flat_q = q_logits.reshape(-1, q_logits.shape[-1])
         kl = torch.cat([token_kl(flat_ref[i:i + rows_per_slice], flat_q[i:i + rows_per_slice])
                         for i in range(0, flat_ref.shape[0], rows_per_slice)]).reshape(ref_logits.shape[:-1])
-        agree = (ref_logits.argmax(-1) == q_logits.argmax(-1)).to(torch.float32)
+        agree = ref_logits.argmax(-1) == q_logits.argmax(-1)
+        self.record(kl, agree, keep_values)
+        if input_ids is not None:
+            self.nll_sum += float(token_nll(q_logits, input_ids).sum())
+            self.ref_nll_sum += float(token_nll(ref_logits, input_ids).sum())
+            self.nll_tokens += input_ids[..., 1:].numel()
+
+    def record(self, kl: torch.Tensor, agree: torch.Tensor, keep_values: bool = False) -> None:
+        """Per-token KL and top-1 agreement of whole sequences (last dim = positions): each sequence is
+        one chunk of the standard error."""
         self.kl_sum += float(kl.sum())
-        self.top1_sum += float(agree.sum())
+        self.top1_sum += float(agree.to(torch.float32).sum())
         self.tokens += kl.numel()
         for row in kl.reshape(-1, kl.shape[-1]):
             self.chunk_kl.append(float(row.mean()))
         if keep_values:
             self.kl_values.append(kl.reshape(-1).cpu())
-        if input_ids is not None:
-            self.nll_sum += float(token_nll(q_logits, input_ids).sum())
-            self.ref_nll_sum += float(token_nll(ref_logits, input_ids).sum())
-            self.nll_tokens += input_ids[..., 1:].numel()
 
     @property
     def kl(self) -> float:

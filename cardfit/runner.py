@@ -140,14 +140,23 @@ class StreamedModel:
         for g in needed:
             self.load(g, overrides)
         try:
-            out = self.model.lm_head(self.decoder.norm(hidden.to(self.device)))
-            softcap = getattr(self.model.config, "final_logit_softcapping", None)
-            if softcap:
-                out = torch.tanh(out / softcap) * softcap
-            return out.to(torch.float32)
+            return self._soft_capped(self.model.lm_head(self.decoder.norm(hidden.to(self.device))))
         finally:
             for g in needed:
                 self.unload(g)
+
+    @torch.no_grad()
+    def logits_with(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits through a given head matrix, the final norm resident: lets a caller hold two heads
+        (reference and quantized) at once instead of loading one per call."""
+        normed = self.decoder.norm(hidden.to(self.device))
+        return self._soft_capped(torch.nn.functional.linear(normed, head_weight.to(self.device, self.dtype)))
+
+    def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits.to(torch.float32)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, overrides: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:

@@ -18,7 +18,6 @@ per token, plus one layer-forward per group to gather GPTQ/AWQ/imatrix statistic
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +28,14 @@ from .activations import ActivationCache
 from .atomic import write_json
 from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
-from .metrics import DistanceMeter, token_nll
+from .heap import map_large_blocks, return_freed_memory
+from .metrics import DistanceMeter, target_nll, token_kl
 from .sources import EMBED, LM_HEAD, NORM, ModelSource, open_model
 from .text import load_text, text_hash, token_chunks
 
 MAP_VERSION = 1
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
+LOGIT_POSITIONS = 64  # positions per logits slice in scan: 64 x vocab float32 (12 MiB at 49k tokens)
 
 
 @dataclass
@@ -105,7 +106,7 @@ class _Scanner:
         self.layers = len(stream.layers)
         vocab = stream.model.config.vocab_size
         self.keep_reference = cache.budget is None or chunks.numel() * vocab * 4 <= cache.budget
-        self.ref_logits: dict[int, torch.Tensor] = {}
+        self.ref_logits: dict[tuple[int, int, int], torch.Tensor] = {}  # (batch, row, first position)
 
     @torch.no_grad()
     def reference(self) -> DistanceMeter:
@@ -122,11 +123,14 @@ class _Scanner:
             self.cache.put(self.layers, b, h)
         with self._head():
             for b, (ids, h) in enumerate(zip(self.batches, hidden)):
-                logits = torch.cat([self.stream.logits(h[r:r + 1]) for r in range(h.shape[0])])  # as cells compute it
-                if self.keep_reference:
-                    self.ref_logits[b] = logits
-                meter.nll_sum += float(token_nll(logits, ids).sum())
-                meter.nll_tokens += ids[:, 1:].numel()
+                for r in range(h.shape[0]):
+                    for start in range(0, h.shape[1], LOGIT_POSITIONS):
+                        logits = self.stream.logits(h[r:r + 1, start:start + LOGIT_POSITIONS])
+                        if self.keep_reference:
+                            self.ref_logits[(b, r, start)] = logits
+                        targets = ids[r:r + 1, start + 1:start + 1 + LOGIT_POSITIONS]
+                        meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
+                        meter.nll_tokens += targets.numel()
         return meter
 
     def _head(self):
@@ -169,19 +173,35 @@ class _Scanner:
         for i in range(start, self.layers):
             with self.stream.resident(f"layers.{i}", overrides):
                 hidden = [self.stream.run_layer(i, h) for h in hidden]
-        meter = DistanceMeter()
         head = EMBED if self.stream.tied else LM_HEAD
-        touched = any(n in overrides for g in (NORM, head) for n in self.stream.group_tensors(g))
-        # When the cell quantizes the head itself, nothing is kept resident: each logits call then
-        # loads the head it needs, unquantized for a recomputed reference, quantized for the cell.
-        with contextlib.nullcontext() if touched else self._head():
-            for b, h in enumerate(hidden):
-                kept = self.ref_logits.get(b)
-                final = None if kept is not None else self.cache.get(self.layers, b)
-                for r in range(h.shape[0]):  # one sequence at a time: two (tokens x vocab) logits alive, not two batches
-                    # not kept (over the memory budget): recompute from the cached final hidden
-                    ref = kept[r:r + 1] if kept is not None else self.stream.logits(final[r:r + 1])
-                    meter.add(ref, self.stream.logits(h[r:r + 1], overrides))
+        head_weight = next(n for n in self.stream.group_tensors(head) if n.endswith("weight"))
+        if head_weight in overrides:
+            # The cell quantizes the head itself: hold the reference and the quantized matrix side by
+            # side (two copies of the largest group) instead of reloading one per logits slice.
+            reference = None if self.keep_reference else self.source.read(head_weight, dtype=self.stream.dtype)
+            quantized = overrides[head_weight]
+            with self.stream.resident(NORM):
+                return self._distances(hidden, lambda x: self.stream.logits_with(x, reference),
+                                       lambda x: self.stream.logits_with(x, quantized))
+        with self._head():
+            return self._distances(hidden, self.stream.logits, self.stream.logits)
+
+    def _distances(self, hidden: list[torch.Tensor], ref_head, q_head) -> DistanceMeter:
+        """KL and top-1 per sequence, logits computed LOGIT_POSITIONS at a time: two (slice x vocab)
+        float32 logits alive, not two whole sequences or batches."""
+        meter = DistanceMeter()
+        for b, h in enumerate(hidden):
+            final = None if self.keep_reference else self.cache.get(self.layers, b)
+            for r in range(h.shape[0]):
+                kl, agree = [], []
+                for start in range(0, h.shape[1], LOGIT_POSITIONS):
+                    end = start + LOGIT_POSITIONS
+                    ref = (self.ref_logits[(b, r, start)] if self.keep_reference
+                           else ref_head(final[r:r + 1, start:end]))
+                    q = q_head(h[r:r + 1, start:end])
+                    kl.append(token_kl(ref, q))
+                    agree.append(ref.argmax(-1) == q.argmax(-1))
+                meter.record(torch.cat(kl, -1), torch.cat(agree, -1))
         return meter
 
 
@@ -256,6 +276,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         return result  # a finished map of this very job: nothing to measure again
     if method == "fast":
         return _fast_cells(source, chunks, groups, todo, result, out, device, batch)
+    map_large_blocks()
     stream = StreamedModel(source, device=device)
     budget = None if memory_cap is None else memory_cap // 2
     cache = ActivationCache(budget, spill_dir=out.parent)
@@ -263,7 +284,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
     try:
         ref = scanner.reference()
-        _return_freed_memory()
+        return_freed_memory()
         result["reference"] = {"perplexity": round(ref.perplexity, 6)}
         current = None
         for i, group, fmt in todo:
@@ -278,7 +299,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                 meter = scanner.cell(group, scanner.quantized(group, fmt, calibration_stats))
                 entry["cells"][fmt.name] = {"damage": meter.kl, "stderr": meter.kl_stderr, "top1": meter.top1}
             write_json(out, result)
-            _return_freed_memory()
+            return_freed_memory()
             if bar:
                 bar.update(1)
     finally:
@@ -293,26 +314,6 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     result["complete"] = True
     write_json(out, result)
     return result
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    """glibc's malloc_trim, looked up once (find_library may run ldconfig); None where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-
-
-def _return_freed_memory() -> None:
-    """Hand freed heap back to the system (glibc keeps it otherwise): the scan's peak RSS drops ~250 MiB
-    on the embedded model."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _progress(enabled: bool, total: int, done: int):

@@ -15,8 +15,8 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     """A random model of a real architecture, with SmolLM2's tokenizer so text can be fed to it."""
     import shutil
 
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     from cardfit.default_model import default_model_dir
 
@@ -39,6 +39,15 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
         config = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     elif kind == "mistral":
         config = MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    elif kind == "phi3":  # fused qkv_proj and gate_up_proj
+        config = Phi3Config(**common, tie_word_embeddings=False, sliding_window=None, pad_token_id=0)
+    elif kind == "phi3-longrope":  # Phi-3.5's long-context rotary scaling, factors far from 1
+        half = common["hidden_size"] // common["num_attention_heads"] // 2
+        factors = torch.linspace(1.0, 4.0, half).tolist()
+        config = Phi3Config(**{**common, "max_position_embeddings": 2048}, tie_word_embeddings=False,
+                            sliding_window=None, pad_token_id=0, original_max_position_embeddings=512,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": factors,
+                                             "short_factor": factors[::-1], "original_max_position_embeddings": 512})
     elif kind == "llama-wide":  # rows that group 128 divides, as in every real model
         config = LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=True)
     else:

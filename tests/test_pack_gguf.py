@@ -41,10 +41,12 @@ def relative_error(a, b):
 IDS = [504, 2365, 6354, 16438, 216, 33, 34, 35, 36, 37, 1792, 314, 253, 1015, 30, 2114, 601, 28, 5]
 
 
-@pytest.mark.parametrize("kind", ["llama-sharp", "mistral-sharp", "qwen2-sharp", "qwen3-sharp", "gemma3-llamacpp-sharp"])
+@pytest.mark.parametrize("kind", ["llama-sharp", "mistral-sharp", "qwen2-sharp", "qwen3-sharp", "gemma3-llamacpp-sharp",
+                                  "phi3-sharp", "phi3-longrope-sharp"])
 def test_llama_cpp_computes_what_transformers_computes(tiny_model, tmp_path, kind):
     """F16 storage: llama.cpp's logits equal transformers' up to f16 rounding, so names, q/k permutation
-    (Llama), norm offset (Gemma 3), biases (Qwen2) and q/k norms (Qwen3) are all right."""
+    (Llama), norm offset (Gemma 3), biases (Qwen2), q/k norms (Qwen3), fused matrices and longrope
+    factors (Phi-3) are all right."""
     model_dir = tiny_model(kind)
     source = open_model(model_dir)
     out = tmp_path / f"{kind}.gguf"
@@ -65,6 +67,28 @@ def test_without_the_converter_transforms_llama_cpp_disagrees(tiny_model, tmp_pa
     out = tmp_path / "wrong.gguf"
     pack(uniform_recipe(open_model(model_dir), "F16"), model_dir, out, progress=False, smoke=False)
     assert relative_error(llama_cpp_logits(out, IDS), hf_logits(model_dir, IDS)) > 0.05
+
+
+def test_without_the_longrope_factors_llama_cpp_disagrees(tiny_model, tmp_path, monkeypatch):
+    from cardfit.pack import gguf_arch
+
+    model_dir = tiny_model("phi3-longrope-sharp")
+    monkeypatch.setattr(gguf_arch.ArchSpec, "extra_tensors", lambda self: {})
+    out = tmp_path / "plain-rope.gguf"
+    pack(uniform_recipe(open_model(model_dir), "F16"), model_dir, out, progress=False, smoke=False)
+    assert relative_error(llama_cpp_logits(out, IDS), hf_logits(model_dir, IDS)) > 0.05
+
+
+def test_a_phi3_name_on_a_foreign_vocabulary_is_not_written(tiny_model, tmp_path):
+    """llama.cpp applies Phi-3's token rules to any model named phi3 and fails to load a vocabulary
+    without Phi-3's tokens ("unordered_map::at"): the tiny Phi-3 carries SmolLM2's vocabulary."""
+    model_dir = tiny_model("phi3")
+    assert "phi3" in model_dir.name
+    out = tmp_path / "phi3.gguf"
+    report = pack(uniform_recipe(open_model(model_dir), "Q8_0"), model_dir, out, progress=False, smoke=False)
+    assert any("Phi-3's token rules" in w for w in report["warnings"])
+    assert gguf.GGUFReader(str(out)).get_field("general.name").contents() == "model"
+    assert torch.isfinite(llama_cpp_logits(out, IDS)).all()  # llama.cpp loads it
 
 
 def test_planned_recipe_file_fits_its_budget_and_bytes_match_the_plan(tiny_model, tmp_path, calib_text):

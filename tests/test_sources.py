@@ -61,6 +61,12 @@ def test_listing_reads_no_weights(tiny_models, monkeypatch):
             calls.append(name)
             return self._h.get_tensor(name)
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._h.__exit__(*exc)
+
     monkeypatch.setattr("cardfit.sources.hf_dir.safe_open", Spy)
     source = HfDirectorySource(tiny_models["llama"])
     source.groups()

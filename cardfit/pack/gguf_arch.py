@@ -3,7 +3,9 @@ the transforms its converter applies to Hugging Face weights.
 
 These mirror llama.cpp's `convert_hf_to_gguf.py` for the supported families: LLaMA-style models
 (Llama, SmolLM, Mistral) store q/k rows permuted for llama.cpp's interleaved rotary layout;
-Gemma 3 stores its RMSNorm weights as (1 + w); Qwen2/Qwen3 take the weights as they are.
+Gemma 3 stores its RMSNorm weights as (1 + w); Qwen2/Qwen3 take the weights as they are; Phi-3
+keeps its fused qkv and gate_up matrices (llama.cpp splits them at run time) and carries its
+longrope factors as two small tensors.
 Anything llama.cpp would compute differently from transformers is refused here, before a byte
 is written, rather than discovered by `check`.
 """
@@ -20,7 +22,7 @@ from ..errors import CardfitError
 
 # HF model_type -> llama.cpp architecture name
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-             "gemma3_text": "gemma3"}
+             "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
 @dataclass
@@ -73,12 +75,37 @@ class ArchSpec:
         kind = params.get("rope_type") or params.get("type")
         return None if kind in (None, "default") else params
 
+    @property
+    def rope_kind(self) -> str | None:
+        scaling = self.rope_scaling
+        return None if scaling is None else (scaling.get("rope_type") or scaling.get("type"))
+
+    @property
+    def rope_dims(self) -> int:
+        """Rotary dimensions per head; Phi-3 family models may rotate only part of each head."""
+        params = self.config.get("rope_parameters") if isinstance(self.config.get("rope_parameters"), dict) else {}
+        fraction = float(params.get("partial_rotary_factor", self.config.get("partial_rotary_factor", 1.0)))
+        return int(fraction * int(self.config["hidden_size"])) // self.n_head
+
+    @property
+    def original_context(self) -> int:
+        params = self.rope_scaling or {}
+        return int(params.get("original_max_position_embeddings")
+                   or self.config.get("original_max_position_embeddings")
+                   or self.config.get("max_position_embeddings") or 4096)
+
     def refuse_what_llama_cpp_computes_differently(self) -> None:
         cfg = self.config
-        scaling = self.rope_scaling
-        if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) not in ("linear", "llama3"):
-            raise CardfitError(f"rope scaling '{scaling.get('rope_type') or scaling.get('type')}' is not packed "
-                               "to GGUF by cardfit", "models with default, linear or llama3 rope scaling are")
+        allowed = ("linear", "llama3") + (("longrope", "su") if self.arch == "phi3" else ())
+        if self.rope_kind is not None and self.rope_kind not in allowed:
+            raise CardfitError(f"rope scaling '{self.rope_kind}' is not packed to GGUF by cardfit for {self.arch}",
+                               "models with default, linear or llama3 rope scaling (and Phi-3's longrope) are")
+        if self.arch == "phi3" and self.rope_kind in ("longrope", "su"):
+            scaling = self.rope_scaling
+            long, short = scaling.get("long_factor"), scaling.get("short_factor")
+            if not long or not short or len(long) != len(short) or 2 * len(long) != self.rope_dims:
+                raise CardfitError("this Phi-3 config's longrope factors do not match its rotary dimensions "
+                                   f"({self.rope_dims // 2} each expected)", "restore the model's config.json")
         if self.arch == "gemma3":
             layers = int(cfg["num_hidden_layers"])
             types = cfg.get("layer_types")
@@ -108,6 +135,12 @@ class ArchSpec:
         writer.add_vocab_size(int(cfg["vocab_size"]))
         if self.arch in ("llama", "qwen2", "qwen3"):
             writer.add_rope_dimension_count(self.head_dim)
+        if self.arch == "phi3":  # as llama.cpp's Phi-3 converter writes them
+            writer.add_rope_dimension_count(self.rope_dims)
+            writer.add_rope_scaling_orig_ctx_len(self.original_context)
+            writer.add_sliding_window(int(cfg.get("sliding_window") or 0))  # 0: no window (Phi-4)
+            if self.rope_kind in ("longrope", "su"):
+                writer.add_rope_scaling_attn_factors(self.longrope_attention_factor)
         if self.head_dim != int(cfg["hidden_size"]) // self.n_head or self.arch in ("gemma3", "qwen3"):
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
@@ -120,10 +153,23 @@ class ArchSpec:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(scaling["factor"]))
 
+    @property
+    def longrope_attention_factor(self) -> float:
+        """The attention scale transformers and llama.cpp both apply with Phi-3's longrope."""
+        explicit = (self.rope_scaling or {}).get("attention_factor")
+        if explicit is not None:
+            return float(explicit)
+        scale = int(self.config["max_position_embeddings"]) / self.original_context
+        return math.sqrt(1 + math.log(scale) / math.log(self.original_context)) if scale > 1.0 else 1.0
+
     def extra_tensors(self) -> dict[str, np.ndarray]:
-        """Tensors llama.cpp needs that the checkpoint does not hold (llama3 rope frequency factors)."""
+        """Tensors llama.cpp needs that the checkpoint does not hold (llama3 rope frequency factors,
+        Phi-3's longrope factors)."""
         scaling = self.rope_scaling
-        if scaling is None or (scaling.get("rope_type") or scaling.get("type")) != "llama3":
+        if self.arch == "phi3" and self.rope_kind in ("longrope", "su"):
+            return {"rope_factors_long.weight": np.asarray(scaling["long_factor"], dtype=np.float32),
+                    "rope_factors_short.weight": np.asarray(scaling["short_factor"], dtype=np.float32)}
+        if self.rope_kind != "llama3":
             return {}
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))

@@ -16,7 +16,7 @@ from ..formats import GgmlFormat
 from ..formats.gguf_formats import ggml_tensor_bytes
 from ..sources import EMBED, LM_HEAD, NORM, ModelSource, group_of
 from .gguf_arch import ArchSpec
-from .gguf_vocab import add_vocab
+from .gguf_vocab import add_vocab, loadable_name
 
 ALIGNMENT = 32  # GGUF's default data alignment
 _FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11, "Q4_K": 14,
@@ -80,12 +80,12 @@ def _writer(path, source: ModelSource, plan: GgufPlan, name: str):
 
     writer = gguf.GGUFWriter(str(path), plan.spec.arch)
     writer.add_type("model")
-    writer.add_name(name)
     writer.add_file_type(plan.file_type())
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_string("general.quantized_by", "cardfit")
     plan.spec.metadata(writer)
-    warnings = add_vocab(writer, source.path, int(plan.spec.config["vocab_size"]))
+    tokens, warnings = add_vocab(writer, source.path, int(plan.spec.config["vocab_size"]))
+    writer.add_name(loadable_name(name, tokens, warnings))
     for _, gguf_name, storage, shape, nbytes in plan.entries:
         writer.add_tensor_info(gguf_name, list(shape), np.dtype(np.float32), nbytes,
                                raw_dtype=gguf.GGMLQuantizationType[storage])

@@ -43,8 +43,8 @@ def _looks_special(token: str) -> bool:
                                                                   and len(token) > 2 and " " not in token)
 
 
-def add_vocab(writer, model_dir: Path, vocab_size: int) -> list[str]:
-    """Write the tokenizer keys; returns warnings to show the user."""
+def add_vocab(writer, model_dir: Path, vocab_size: int) -> tuple[list, list[str]]:
+    """Write the tokenizer keys; returns the token list and warnings to show the user."""
     import gguf
 
     warnings: list[str] = []
@@ -63,7 +63,7 @@ def add_vocab(writer, model_dir: Path, vocab_size: int) -> list[str]:
         writer.add_token_scores(scores)
         writer.add_token_types(types)
         gguf.SpecialVocab(model_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-        return warnings
+        return tokens, warnings
     if not tokenizer_file.exists():
         raise CardfitError(f"{model_dir} has no tokenizer.json or tokenizer.model",
                            "copy the model's tokenizer files into its directory")
@@ -109,7 +109,26 @@ def add_vocab(writer, model_dir: Path, vocab_size: int) -> list[str]:
         and plain[-1:] != probe[-1:]
     special.add_to_gguf(writer, quiet=True)
     writer.add_add_space_prefix(False)
-    return warnings
+    return tokens, warnings
+
+
+# llama.cpp's vocabulary loader sets Phi-3's token attributes for any model whose general.name says
+# phi-3/phi3, looking these tokens up unconditionally: a vocabulary without one fails to load.
+_PHI3_MARKERS = ("phi-3", "phi3")
+_PHI3_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def loadable_name(name: str, tokens: list, warnings: list[str]) -> str:
+    """The model name to write: as given, unless llama.cpp would then refuse this vocabulary."""
+    if not any(marker in name.lower() for marker in _PHI3_MARKERS):
+        return name
+    present = {t.decode("utf-8", "replace") if isinstance(t, bytes) else t for t in tokens}
+    missing = [t for t in _PHI3_TOKENS if t not in present]
+    if not missing:
+        return name
+    warnings.append(f"general.name '{name}' would make llama.cpp apply Phi-3's token rules, and this vocabulary "
+                    f"lacks {', '.join(missing)}; wrote the name as 'model'")
+    return "model"
 
 
 def _is_byte_level(tokenizer_file: Path) -> bool:

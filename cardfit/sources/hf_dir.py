@@ -99,7 +99,10 @@ class HfDirectorySource(ModelSource):
         return self._infos
 
     def read(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """A fresh handle per read: safetensors maps the whole shard, and every page a long-lived
+        handle has touched stays in our resident set (the whole model, after one pass)."""
         if name not in self._shards:
             raise KeyError(name)
-        tensor = self._open(self._shards[name]).get_tensor(name)
-        return tensor if dtype is None else tensor.to(dtype)
+        with safe_open(str(self._shards[name]), framework="pt") as handle:
+            tensor = handle.get_tensor(name)
+            return tensor.clone() if dtype is None or dtype == tensor.dtype else tensor.to(dtype)
