@@ -99,3 +99,55 @@ def render_bench(result: dict) -> str:
         lines.append(f"  context that fits    {result['max_context_tokens']:,} tokens beside the weights on "
                      f"{format_bytes(result['vram_bytes'])} (llama.cpp overhead model)")
     return "\n".join(lines)
+
+
+def bench_vllm(artifact: str | Path, vram: str | int | None = None, reference: str | Path | None = None,
+               gen_tokens: int = 64, batch: int = 32, python: str | Path | None = None) -> dict:
+    """The seed's vLLM table for a compressed-tensors checkpoint: weights, ratio to the 16-bit reference,
+    KV budget in tokens beside the weights on `vram`, single-stream and batched generation tokens/s.
+
+    Also the KV cache vLLM itself allocates for 1 GiB (VLLM_CPU_KVCACHE_SPACE=1) next to what
+    cardfit's KV model predicts for that space, so the KV column is checked against the runtime."""
+    from .architecture import geometry_from_config, load_config
+    from .kv import kv_cache
+    from .sources import open_model
+    from .units import parse_bytes
+    from .vllm_env import run_driver
+
+    path = Path(artifact)
+    if not (path.is_dir() and (path / "config.json").exists()):
+        raise CardfitError(f"{path} is not a compressed-tensors checkpoint directory",
+                           "cardfit bench --runtime vllm measures what `cardfit pack --format compressed-tensors` writes")
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    ref = open_model(reference)
+    ref_bytes = sum(t.nbytes for t in ref.tensors())
+    answer, _ = run_driver({"task": "bench", "model": str(path), "max_model_len": 1024, "gen_tokens": gen_tokens,
+                            "batch": batch, "kv_cache_gib": 1}, python=python)
+    geometry = geometry_from_config(load_config(path), source=str(path / "config.json"))
+    per_token = kv_cache(geometry, 1, 1, "f16", "vllm").kv_bytes_per_token
+    result = {"artifact": str(path), "runtime": f"vllm {answer['vllm']} (CPU)", "threads": os.cpu_count(),
+              "weights_bytes": weights, "reference_bytes": ref_bytes, "ratio": ref_bytes / weights,
+              "load_seconds": answer["load_s"], "single_stream_tokens_per_s": answer["single_stream_tok_s"],
+              "batched_tokens_per_s": answer["batched_tok_s"], "batch": batch, "gen_tokens": gen_tokens,
+              "vllm_kv_tokens_per_gib": answer["kv_cache_tokens"], "predicted_kv_tokens_per_gib": 2**30 // per_token}
+    if vram is not None:
+        result["vram_bytes"] = parse_bytes(vram, "--vram")
+        result["max_context_tokens"] = max_context_tokens(geometry, result["vram_bytes"], weights, "vllm")
+    return result
+
+
+def render_bench_vllm(result: dict) -> str:
+    from .units import format_bytes
+
+    lines = [f"{result['artifact']} in {result['runtime']} ({result['threads']} threads)",
+             f"  weights              {format_bytes(result['weights_bytes'])} "
+             f"(ratio {result['ratio']:.2f}x to the 16-bit reference)",
+             f"  load                 {result['load_seconds']:.1f} s",
+             f"  single stream        {result['single_stream_tokens_per_s']:.1f} tokens/s ({result['gen_tokens']} tokens)",
+             f"  batched x{result['batch']:<11} {result['batched_tokens_per_s']:.1f} tokens/s",
+             f"  KV cache per GiB     {result['vllm_kv_tokens_per_gib']:,} tokens in vLLM "
+             f"(cardfit predicts {result['predicted_kv_tokens_per_gib']:,})"]
+    if "max_context_tokens" in result:
+        lines.append(f"  KV budget            {result['max_context_tokens']:,} tokens beside the weights on "
+                     f"{format_bytes(result['vram_bytes'])} (vLLM overhead model)")
+    return "\n".join(lines)

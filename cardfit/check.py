@@ -27,7 +27,7 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
           max_tokens: int = 4096, seq_len: int = 512, ceiling: float = DEFAULT_CEILING,
           min_top1: float = DEFAULT_MIN_TOP1, max_kld: float | None = None, predicted_damage: float | None = None,
           smoke: bool = False, device: str = "cpu", batch: int = 4, tokenizer_dir: str | Path | None = None,
-          kind: str | None = None) -> dict:
+          kind: str | None = None, runtime: str | None = None) -> dict:
     """Measure `artifact` against `reference` (or, with `smoke`, alone); returns the report with a verdict."""
     from .runtimes import open_runtime
     from .text import load_text
@@ -35,9 +35,11 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
     if not smoke and reference is None:
         raise CardfitError("a full check needs the reference model", "pass --reference MODEL, or --smoke")
     body, text_path = load_text(text, default="heldout")
-    runtime = open_runtime(artifact, n_ctx=seq_len, device=device, kind=kind)
+    runtime = open_runtime(artifact, n_ctx=seq_len, device=device, kind=kind, runtime=runtime)
     try:
         chunks = _chunks(runtime, body, text_path, seq_len, max_tokens, reference, tokenizer_dir)
+        if hasattr(runtime, "prepare"):  # vLLM: every chunk in one engine start
+            runtime.prepare(chunks)
         meter = DistanceMeter()
         finite = True
         if smoke:
@@ -60,7 +62,7 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
                           keep_values=True)
     finally:
         runtime.close()
-    report = {"artifact": str(artifact), "runtime": runtime.name, "mode": "smoke" if smoke else "full",
+    report = {"artifact": str(artifact), "runtime": runtime.name + (f" {runtime.version}" if getattr(runtime, "version", None) else ""), "mode": "smoke" if smoke else "full",
               "text": text_path.name, "tokens": int(chunks.numel()), "seq_len": int(chunks.shape[1]),
               "perplexity": _finite(meter.perplexity), "finite_logits": finite}
     if not smoke:

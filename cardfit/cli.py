@@ -123,6 +123,8 @@ def plan_command(
     plot: Optional[str] = typer.Option(None, help="Plot the frontier with the uniform presets (PNG)."),
     model: Optional[str] = typer.Option(None, help="The model the map was scanned on: plan refuses a map of "
                                                    "another model and reserves the GGUF metadata's bytes."),
+    runtime: Optional[str] = typer.Option(None, help="Plan only formats this runtime serves (default: the "
+                                          "map's); vllm-cpu: vLLM's CPU build (4-bit and dense only)."),
 ):
     """The least-damage recipe whose bytes fit the budget (exact MILP)."""
     from .atomic import write_json
@@ -136,8 +138,8 @@ def plan_command(
     elif vram is not None:
         from .budget import budget as compute
 
-        runtime = read_map(map_path).get("runtime", "llama.cpp")
-        b = compute(config, vram, context, batch, kv_dtype, runtime)
+        scanned = read_map(map_path).get("runtime", "llama.cpp")
+        b = compute(config, vram, context, batch, kv_dtype, scanned)
         budget_bytes = b.weight_budget_bytes
         info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
                 "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
@@ -155,12 +157,12 @@ def plan_command(
         source = open_model(model)
         check_map_model(data, source)
         reserve = reserve_bytes(source, data.get("runtime", "llama.cpp"))
-    recipe = plan(map_path, budget_bytes, fmts, pins, floors, info, reserve_bytes=reserve)
+    recipe = plan(map_path, budget_bytes, fmts, pins, floors, info, reserve_bytes=reserve, runtime=runtime)
     write_json(out, recipe)
     typer.echo(render_recipe(recipe))
     typer.echo(f"-> {out}")
     if frontier_out or plot:
-        problem = Problem.from_map(read_map(map_path), fmts, pins, floors)
+        problem = Problem.from_map(read_map(map_path), fmts, pins, floors, runtime)
         points = frontier(problem)
         if frontier_out:
             write_json(frontier_out, {"points": points, "uniform_bytes": recipe["uniform_bytes"]})
@@ -207,6 +209,8 @@ def check_command(
     smoke: bool = typer.Option(False, help="Artifact alone, perplexity ceiling only (no reference)."),
     out: Optional[str] = typer.Option(None, help="Also write the report as JSON here."),
     device: str = typer.Option("cpu", help="cpu or cuda[:N] for the reference."),
+    runtime: Optional[str] = typer.Option(None, help="vllm to serve a compressed-tensors directory in vLLM "
+                                          "(default: llama.cpp for GGUF, transformers for a directory)."),
 ):
     """Measure the artifact in its real runtime against the reference; refuse a corpse (exit 2)."""
     from .atomic import write_json
@@ -218,7 +222,7 @@ def check_command(
 
         predicted = read_recipe(recipe)["predicted_damage"]
     report = check(artifact, None if smoke else (reference or "default"), text, max_tokens, seq_len, ceiling,
-                   min_top1, max_kld, predicted, smoke=smoke, device=device)
+                   min_top1, max_kld, predicted, smoke=smoke, device=device, runtime=_runtime(runtime))
     typer.echo(render_check(report))
     if out:
         write_json(out, report)
@@ -268,18 +272,33 @@ def compare_command(
     typer.echo(render_compare(result))
 
 
+def _runtime(name: Optional[str]) -> Optional[str]:
+    if name not in (None, "llama.cpp", "transformers", "vllm"):
+        raise CardfitError(f"unknown --runtime '{name}'", "use --runtime vllm, transformers or llama.cpp")
+    return None if name in ("llama.cpp", "transformers") else name
+
+
 @app.command("bench")
 def bench_command(
-    artifact: str = typer.Argument(..., help="A .gguf artifact."),
+    artifact: str = typer.Argument(..., help="A .gguf artifact, or a compressed-tensors directory with --runtime vllm."),
     vram: Optional[str] = typer.Option(None, help="Also report the context (tokens) that fits this card."),
-    prompt_tokens: int = typer.Option(256, help="Prompt length for the prompt-processing speed."),
-    gen_tokens: int = typer.Option(32, help="Tokens to generate for the generation speed."),
+    prompt_tokens: int = typer.Option(256, help="Prompt length for the prompt-processing speed (llama.cpp)."),
+    gen_tokens: Optional[int] = typer.Option(None, help="Tokens to generate (default: 32 llama.cpp, 64 vLLM)."),
+    runtime: str = typer.Option("llama.cpp", help="llama.cpp or vllm."),
+    batch: int = typer.Option(32, help="Concurrent requests for vLLM's batched speed."),
+    reference: Optional[str] = typer.Option(None, help="The 16-bit model for vLLM's ratio (default: embedded)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Serving cost in llama.cpp: load time, memory, prompt and generation tokens/s, context that fits."""
-    from .bench import bench, render_bench
+    """Serving cost: load time, memory, tokens/s, context that fits (llama.cpp), or the seed's vLLM table."""
+    from .bench import bench, bench_vllm, render_bench, render_bench_vllm
 
-    result = bench(artifact, vram, prompt_tokens, gen_tokens)
+    if runtime == "vllm":
+        result = bench_vllm(artifact, vram, reference, gen_tokens or 64, batch)
+        typer.echo(json.dumps(result, indent=2) if as_json else render_bench_vllm(result))
+        return
+    if runtime != "llama.cpp":
+        raise CardfitError(f"unknown --runtime '{runtime}'", "use --runtime llama.cpp or --runtime vllm")
+    result = bench(artifact, vram, prompt_tokens, gen_tokens or 32)
     typer.echo(json.dumps(result, indent=2) if as_json else render_bench(result))
 
 

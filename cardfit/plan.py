@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CardfitError
-from .formats import get_format, runtime_formats
+from .formats import RUNTIME_FORMATS, SCANNED_AS, get_format, runtime_formats
 from .units import format_bytes
 
 RECIPE_VERSION = 1
@@ -36,11 +36,11 @@ class Problem:
 
     @classmethod
     def from_map(cls, data: dict, formats: list[str] | None = None, pins: dict[str, str] | None = None,
-                 floors: dict[str, str] | None = None) -> "Problem":
+                 floors: dict[str, str] | None = None, runtime: str | None = None) -> "Problem":
         names = [g["name"] for g in data["groups"]]
         fmts = formats or data["formats"]
-        runtime = data.get("runtime", "llama.cpp")
-        served = {f.name for f in runtime_formats(runtime)} if runtime in ("llama.cpp", "vllm") else None
+        runtime = check_runtime(data, runtime)
+        served = {f.name for f in runtime_formats(runtime)} if runtime in RUNTIME_FORMATS else None
         for f in fmts:
             if f not in data["formats"]:
                 raise CardfitError(f"format {f} is not in the map", "scan it, or choose from " + ", ".join(data["formats"]))
@@ -68,8 +68,25 @@ class Problem:
             for j, f in enumerate(fmts):
                 if get_format(f).bits < floor_bits:
                     allowed[rows, j] = False
-        same = _fused_groups(names) if runtime == "vllm" else []
+        if served is not None and not allowed.any(axis=1).all():
+            raise CardfitError(f"none of the map's formats ({', '.join(fmts)}) is served by {runtime}",
+                               "scan formats it serves: " + ", ".join(RUNTIME_FORMATS[runtime]))
+        same = _fused_groups(names) if runtime.startswith("vllm") else []
         return cls(names, list(fmts), damage, size, allowed, same)
+
+
+def check_runtime(data: dict, runtime: str | None) -> str:
+    """The runtime to plan for: the map's own, or one served from the same kind of file (vllm-cpu from a
+    vLLM map)."""
+    scanned = data.get("runtime", "llama.cpp")
+    if runtime is None:
+        return scanned
+    if runtime not in SCANNED_AS:
+        raise CardfitError(f"unknown runtime '{runtime}'", "use --runtime " + ", ".join(SCANNED_AS))
+    if SCANNED_AS[runtime] != scanned:
+        raise CardfitError(f"the map was scanned for {scanned}, not for {runtime}",
+                           f"scan formats {runtime} serves: " + ", ".join(RUNTIME_FORMATS[runtime]))
+    return runtime
 
 
 def _matching(names: list[str], pattern: str) -> list[int]:
@@ -193,7 +210,7 @@ def parse_assignments(items: list[str] | None, flag: str) -> dict[str, str]:
 
 def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = None,
          pins: dict[str, str] | None = None, floors: dict[str, str] | None = None,
-         budget_info: dict | None = None, reserve_bytes: int = 0) -> dict:
+         budget_info: dict | None = None, reserve_bytes: int = 0, runtime: str | None = None) -> dict:
     """The optimal recipe for a map and a weight budget, as the recipe JSON (docs/formats.md).
 
     `reserve_bytes` is what the artifact needs beside tensor data (GGUF metadata, tokenizer and
@@ -203,7 +220,7 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
     from .maps import read_map
 
     data = read_map(map_path)
-    problem = Problem.from_map(data, formats, pins, floors)
+    problem = Problem.from_map(data, formats, pins, floors, runtime)
     solution = _solve(problem, weight_budget - reserve_bytes) if reserve_bytes < weight_budget else None
     if solution is None:  # the minimum is stated against the whole budget, reserve included
         from .budget import no_fit_message
@@ -216,6 +233,7 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
         "map": {"sha256": map_hash(data), "model": data["model"], "calibration": data["calibration"],
                 "rounding": data["rounding"]},
         "runtime": data.get("runtime"),
+        "served_by": check_runtime(data, runtime),
         "budget": {"weight_budget_bytes": int(weight_budget), **(budget_info or {})},
         "solver": {"method": "MILP (HiGHS via scipy.optimize.milp)", "optimality_gap": solution.gap,
                    "proven_optimal": solution.gap == 0.0},

@@ -42,18 +42,22 @@ def _kv_tokens(llm) -> int | None:
 def logprobs(llm, job: dict, answer_path: str) -> dict:
     """vLLM's log-probabilities of its top_k tokens (-1: the whole vocabulary) at every position of
     every sequence, most likely first, as arrays in a safetensors file beside the answer: `ids.N` and
-    `logprobs.N` of shape (tokens - 1, k), row t predicting token t + 1 as the logits at position t do."""
+    `logprobs.N` of shape (tokens, k), row t predicting token t + 1 as the logits at position t do."""
     import numpy as np
     from safetensors.numpy import save_file
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=job.get("top_k", -1),
-                            flat_logprobs=True, detokenize=False)
+    k = job.get("top_k", -1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k, flat_logprobs=True,
+                            detokenize=False)
     arrays = {}
     for n, ids in enumerate(job["sequences"]):
-        flat = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].prompt_logprobs
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        # prompt row t (t >= 1) predicts token t from the tokens before it; the one generated step
+        # predicts the token after the last: together, the logits of positions 0 .. len - 1.
+        positions = [(out.prompt_logprobs, t) for t in range(1, len(ids))] + [(out.outputs[0].logprobs, 0)]
         rows = []
-        for t in range(1, len(ids)):  # position 0 has no prediction
+        for flat, t in positions:
             start, end = flat.start_indices[t], flat.end_indices[t]
             row_ids = np.asarray(flat.token_ids[start:end], dtype=np.int64)
             row_values = np.asarray(flat.logprobs[start:end], dtype=np.float32)
@@ -110,6 +114,11 @@ def main() -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(answer, f)
     os.replace(tmp, answer_path)
+    # Stop the engine's processes before the interpreter tears down; vLLM can still abort at exit
+    # ("terminate called without an active exception"), which is harmless once the answer is in place.
+    shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
 
 
 if __name__ == "__main__":

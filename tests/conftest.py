@@ -124,3 +124,39 @@ def calib_text(tmp_path):
     path = tmp_path / "calib.txt"
     path.write_text(load_text(None)[0][:20000], encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def planned_vllm_artifact(tmp_path_factory, default_model_dir):
+    """The embedded model scanned for vLLM, planned at a budget between uniform W4A16 and W8A16 (so the
+    recipe mixes them), packed as compressed-tensors: (map, recipe, pack report, checkpoint dir)."""
+    from cardfit.pack import pack
+    from cardfit.plan import plan
+    from cardfit.scan import scan
+
+    root = tmp_path_factory.mktemp("vllm-artifact")
+    sensitivity = scan(default_model_dir, None, max_tokens=256, formats="W8A16,W4A16-g128", seq_len=128,
+                       out=root / "map.json", progress=False)
+    low = sum(g["bytes"]["W4A16-g128"] for g in sensitivity["groups"])
+    high = sum(g["bytes"]["W8A16"] for g in sensitivity["groups"])
+    recipe = plan(root / "map.json", (low + high) // 2)
+    report = pack(recipe, default_model_dir, root / "ct", progress=False)
+    return sensitivity, recipe, report, root / "ct"
+
+
+@pytest.fixture(scope="session")
+def planned_vllm_cpu_artifact(tmp_path_factory, default_model_dir):
+    """The same for vLLM's CPU build, which serves 4-bit and dense layers: half the budget between
+    uniform W4A16 and dense, so the recipe keeps the most sensitive layers dense."""
+    from cardfit.pack import pack
+    from cardfit.plan import plan
+    from cardfit.scan import scan
+
+    root = tmp_path_factory.mktemp("vllm-cpu-artifact")
+    sensitivity = scan(default_model_dir, None, max_tokens=256, formats="BF16-dense,W4A16-g128", seq_len=128,
+                       out=root / "map.json", progress=False)
+    low = sum(g["bytes"]["W4A16-g128"] for g in sensitivity["groups"])
+    high = sum(g["bytes"]["BF16-dense"] for g in sensitivity["groups"])
+    recipe = plan(root / "map.json", (low + high) // 2, runtime="vllm-cpu")
+    report = pack(recipe, default_model_dir, root / "ct", progress=False)
+    return sensitivity, recipe, report, root / "ct"

@@ -110,22 +110,13 @@ def test_embedded_model_packs_and_generates(default_model_dir, tmp_path):
     assert result["verdict"] == "pass" and result["runtime"] == "transformers" and 0 < result["kld_mean"] < 1
 
 
-def test_planned_vllm_recipe_for_the_embedded_model(default_model_dir, tmp_path):
+def test_planned_vllm_recipe_for_the_embedded_model(planned_vllm_artifact):
     """Scan for vLLM, plan at a budget that squeezes, pack, and run the checkpoint in transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cardfit.plan import plan
-    from cardfit.scan import scan
-
-    sensitivity = scan(default_model_dir, None, max_tokens=256, formats="W8A16,W4A16-g128", seq_len=128,
-                       out=tmp_path / "map.json", progress=False)
+    sensitivity, recipe, report, out = planned_vllm_artifact
     assert sensitivity["runtime"] == "vllm"
-    low = sum(g["bytes"]["W4A16-g128"] for g in sensitivity["groups"])
-    high = sum(g["bytes"]["W8A16"] for g in sensitivity["groups"])
-    recipe = plan(tmp_path / "map.json", (low + high) // 2)
     assert {g["format"] for g in recipe["groups"]} == {"W8A16", "W4A16-g128"}
-    out = tmp_path / "ct"
-    report = pack(recipe, default_model_dir, out, progress=False)
     assert report["tensor_bytes"] == recipe["bytes"] <= recipe["budget"]["weight_budget_bytes"]
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert sorted(g["weights"]["num_bits"] for g in config["config_groups"].values())[-1] == 8

