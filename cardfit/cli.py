@@ -178,9 +178,11 @@ def pack_command(
     model: Optional[str] = typer.Option(None, help="The model the recipe was planned for (default: embedded)."),
     out: str = typer.Option(..., help="The artifact: a .gguf file, or a directory for compressed-tensors."),
     format: Optional[str] = typer.Option(None, help="gguf or compressed-tensors (default: the recipe's runtime's)."),
-    method: str = typer.Option("rtn", help="Rounding: rtn or imatrix (GGUF); rtn or gptq (compressed-tensors)."),
-    calibration: Optional[str] = typer.Option(None, help="Calibration text for imatrix/gptq (default: bundled)."),
-    max_tokens: int = typer.Option(4096, help="Calibration tokens for imatrix/gptq."),
+    method: str = typer.Option("rtn", help="Rounding: rtn or imatrix (GGUF); rtn, gptq or awq (compressed-tensors)."),
+    calibration: Optional[str] = typer.Option(None, help="Calibration text for imatrix/gptq/awq (default: bundled)."),
+    max_tokens: int = typer.Option(4096, help="Calibration tokens for imatrix/gptq/awq."),
+    imatrix: Optional[str] = typer.Option(None, help="A llama.cpp imatrix (GGUF, from cardfit imatrix or "
+                                          "llama-imatrix) to round GGUF types with."),
     force: bool = typer.Option(False, help="Replace an existing --out."),
     smoke: bool = typer.Option(True, help="Run the smoke check (perplexity ceiling) before the artifact lands."),
     ceiling: float = typer.Option(1000.0, help="The smoke check's perplexity ceiling."),
@@ -191,8 +193,25 @@ def pack_command(
     from .pack import pack, render_pack
 
     report = pack(recipe, model, out, format, method, calibration, max_tokens, force=force, device=device,
-                  smoke=smoke, ceiling=ceiling)
+                  smoke=smoke, ceiling=ceiling, imatrix=imatrix)
     typer.echo(json.dumps(report, indent=2) if as_json else render_pack(report))
+
+
+@app.command("imatrix")
+def imatrix_command(
+    model: Optional[str] = typer.Argument(None, help="Model directory or GGUF (default: the embedded model)."),
+    calibration: Optional[str] = typer.Option(None, help="Calibration text (default: bundled)."),
+    max_tokens: int = typer.Option(8192, help="Calibration tokens."),
+    seq_len: int = typer.Option(512, help="Tokens per chunk (llama.cpp's imatrix.chunk_size)."),
+    out: str = typer.Option("imatrix.gguf", help="Where llama.cpp's GGUF imatrix is written."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+):
+    """llama.cpp's importance matrix, streamed one layer at a time: for pack --imatrix or llama-quantize."""
+    from .imatrix import collect_imatrix
+
+    result = collect_imatrix(model, calibration, max_tokens, seq_len, out, device)
+    typer.echo(f"imatrix of {result['entries']} matrices over {result['tokens']} tokens "
+               f"({result['chunks']} chunks of {result['chunk_size']}) -> {result['imatrix']}")
 
 
 @app.command("check")
@@ -243,7 +262,7 @@ def fit_command(
     formats: Optional[str] = typer.Option(None, help="Formats to scan (default: Q8_0,Q4_K,Q2_K for GGUF)."),
     calibration: Optional[str] = typer.Option(None, help="Calibration text (default: bundled)."),
     max_tokens: int = typer.Option(1024, help="Calibration tokens for the scan and data-aware rounding."),
-    method: str = typer.Option("rtn", help="Pack rounding: rtn/imatrix (GGUF), rtn/gptq (compressed-tensors)."),
+    method: str = typer.Option("rtn", help="Pack rounding: rtn/imatrix (GGUF), rtn/gptq/awq (compressed-tensors)."),
     full_check: bool = typer.Option(False, "--check", help="Also run the full check against the reference."),
     device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
 ):

@@ -47,6 +47,9 @@ def token_chunks(tokenizer, text: str, seq_len: int, max_tokens: int | None, sou
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
     limit = len(ids) if max_tokens is None else min(len(ids), max_tokens)
     n = limit // seq_len
+    if n == 0 and len(ids) >= seq_len:
+        raise CardfitError(f"--max-tokens {max_tokens} is less than one chunk of {seq_len} tokens",
+                           f"raise --max-tokens to at least {seq_len}, or lower --seq-len")
     if n == 0:
         raise CardfitError(f"{source} has {len(ids)} tokens, fewer than one chunk of {seq_len}",
                            f"give a longer text or a smaller --seq-len (at most {len(ids)})")

@@ -48,6 +48,8 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
                             sliding_window=None, pad_token_id=0, original_max_position_embeddings=512,
                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": factors,
                                              "short_factor": factors[::-1], "original_max_position_embeddings": 512})
+    elif kind == "llama-mha":  # one key/value head per query head: v's rows feed o one to one
+        config = LlamaConfig(**{**common, "num_key_value_heads": 4}, tie_word_embeddings=False)
     elif kind == "llama-wide":  # rows that group 128 divides, as in every real model
         config = LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=True)
     else:

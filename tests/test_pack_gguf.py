@@ -251,3 +251,37 @@ def test_too_little_free_space_is_refused_before_writing(tiny_model, tmp_path, m
         pack(uniform_recipe(open_model(model_dir), "Q8_0"), model_dir, tmp_path / "n.gguf", progress=False,
              smoke=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_imatrix_file_round_trips_into_the_same_bytes(default_model_dir, tmp_path, run_cli):
+    """`cardfit imatrix` writes llama.cpp's GGUF layout; packing with that file gives the very bytes that
+    collecting the statistics inside pack gives, from the same tokens."""
+    code, out, err = run_cli("imatrix", "--max-tokens", "512", "--seq-len", "256", "--out", tmp_path / "imatrix.gguf")
+    assert code == 0, err
+    reader = gguf.GGUFReader(str(tmp_path / "imatrix.gguf"))
+    assert reader.get_field("general.type").contents() == "imatrix"
+    assert reader.get_field("general.architecture") is None
+    assert reader.get_field("imatrix.chunk_size").contents() == 256
+    assert reader.get_field("imatrix.chunk_count").contents() == 2
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 2 * 7 * 30  # q, k, v, o, gate, up, down in 30 layers; tied output has none
+    q = tensors["blk.0.attn_q.weight.in_sum2"]
+    assert q.data.size == 576 and float(tensors["blk.0.attn_q.weight.counts"].data[0, 0]) == 512
+    assert (q.data > 0).all()
+    recipe = uniform_recipe(open_model(default_model_dir), "Q4_K")
+    pack(recipe, default_model_dir, tmp_path / "from-file.gguf", imatrix=tmp_path / "imatrix.gguf", progress=False,
+         smoke=False)
+    pack(recipe, default_model_dir, tmp_path / "collected.gguf", method="imatrix", max_tokens=512, seq_len=256,
+         progress=False, smoke=False)
+    pack(recipe, default_model_dir, tmp_path / "rtn.gguf", progress=False, smoke=False)
+
+    def tensor_bytes(name):  # general.name differs: it is the file's stem
+        return {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(str(tmp_path / name)).tensors}
+
+    collected = tensor_bytes("collected.gguf")
+    assert tensor_bytes("from-file.gguf") == collected != tensor_bytes("rtn.gguf")
+    import json
+
+    (tmp_path / "r.json").write_text(json.dumps(recipe))
+    code, _, err = run_cli("pack", tmp_path / "r.json", "--imatrix", tmp_path / "rtn.gguf", "--out", tmp_path / "x.gguf")
+    assert code == 2 and "not an imatrix" in err and not (tmp_path / "x.gguf").exists()

@@ -112,6 +112,7 @@ def test_activations_spill_to_disk_under_a_memory_cap(tiny_models, tmp_path):
     ("format", ["--formats", "Q8_0,Q9_Z"], "unknown format 'Q9_Z'"),
     ("mixed", ["--formats", "Q8_0,W4A16"], "mix runtimes"),
     ("short", ["--seq-len", "100000"], "fewer than one chunk"),
+    ("few-tokens", ["--max-tokens", "16"], "less than one chunk of 32"),
 ])
 def test_bad_scan_input(tiny_models, tmp_path, run_cli, problem, args, needle):
     base = ["scan", tiny_models["llama"], "--out", tmp_path / "x.json", "--max-tokens", "256", "--seq-len", "32"]

@@ -15,14 +15,17 @@ from ..errors import CardfitError
 from ..units import format_bytes
 
 PACK_FORMATS = {"llama.cpp": "gguf", "vllm": "compressed-tensors"}
-PACK_METHODS = {"gguf": ("rtn", "imatrix"), "compressed-tensors": ("rtn", "gptq")}
+PACK_METHODS = {"gguf": ("rtn", "imatrix"), "compressed-tensors": ("rtn", "gptq", "awq")}
 
 
 def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | Path = "model.gguf",
          format: str | None = None, method: str = "rtn", calibration: str | Path | None = None,
          max_tokens: int = 4096, seq_len: int = 512, force: bool = False, device: str = "cpu",
-         progress: bool = True, smoke: bool = True, ceiling: float | None = None) -> dict:
-    """Pack `recipe` for `model`; returns a report (also what the CLI prints)."""
+         progress: bool = True, smoke: bool = True, ceiling: float | None = None,
+         imatrix: str | Path | None = None) -> dict:
+    """Pack `recipe` for `model`; returns a report (also what the CLI prints).
+
+    `imatrix` is a llama.cpp importance matrix file (GGUF) to round with instead of collecting one."""
     from ..atomic import atomic_directory, atomic_path
     from ..recipes import check_model, read_recipe, tensor_formats, validate_recipe
     from ..sources import open_model
@@ -38,6 +41,10 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
     if PACK_FORMATS[data["runtime"]] != fmt:
         raise CardfitError(f"the recipe was planned for {data['runtime']}, which does not load {fmt}",
                            f"pack it as --format {PACK_FORMATS[data['runtime']]}, or plan from a map of that runtime")
+    if imatrix is not None:
+        if fmt != "gguf" or method not in ("rtn", "imatrix"):
+            raise CardfitError("--imatrix rounds GGUF types only", "pack with --format gguf, without --method")
+        method = "imatrix"
     if method not in PACK_METHODS[fmt]:
         raise CardfitError(f"--method {method} does not apply to {fmt}",
                            f"{fmt} takes --method " + " or ".join(PACK_METHODS[fmt]))
@@ -48,7 +55,12 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
     check_model(data, source)
     formats = tensor_formats(data, source)
     budget = int(data["budget"]["weight_budget_bytes"])
-    calib = _calibration(source, method, calibration, max_tokens, seq_len, device)
+    if imatrix is not None:
+        from ..imatrix import ImatrixFile
+
+        calib = ImatrixFile(imatrix, source)
+    else:
+        calib = _calibration(source, method, calibration, max_tokens, seq_len, device)
     bar = _bar(progress, len(formats))
     tick = (lambda name: (bar.set_description(name), bar.update(1))) if bar else None
     try:

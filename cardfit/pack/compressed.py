@@ -122,18 +122,26 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
         stats = calibration.statistics(layer) if calibration is not None and layer is not None else {}
         shard: dict[str, torch.Tensor] = {}
         effective: dict[str, torch.Tensor] = {}
+        folded = {}
+        if method == "awq" and layer is not None:  # scales folded into norms and rows, then plain rounding
+            from .awq_fold import fold_layer
+
+            names = [t.name for t in tensors if t.name in formats]
+            prefix = names[0].split(f"layers.{layer}.")[0] + f"layers.{layer}."
+            folded = fold_layer(prefix, {n: source.read(n) for n in names}, stats, formats, source.config)
         for t in tensors:
             if t.name not in formats:
                 continue
             fmt = formats[t.name]
-            rounding = method if method in fmt.methods() and t.name in stats else "rtn"
-            stored, effective[t.name] = compress_tensor(t.name, source.read(t.name), fmt, stats.get(t.name),
+            rounding = method if method in fmt.methods() and t.name in stats and method != "awq" else "rtn"
+            weight = folded[t.name] if t.name in folded else source.read(t.name)
+            stored, effective[t.name] = compress_tensor(t.name, weight, fmt, stats.get(t.name),
                                                         rounding, storage_dtype(t.dtype))
             shard.update(stored)
             if progress:
                 progress(t.name)
         if calibration is not None and layer is not None:
-            calibration.advance(layer, effective)  # GPTQ: the next layer calibrates on this layer's output
+            calibration.advance(layer, effective)  # GPTQ/AWQ: the next layer calibrates on this layer's output
         file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file({n: v.contiguous() for n, v in shard.items()}, str(out_dir / file), metadata={"format": "pt"})
         for n, v in shard.items():
