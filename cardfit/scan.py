@@ -178,8 +178,9 @@ class _Scanner:
         if head_weight in overrides:
             # The cell quantizes the head itself: hold the reference and the quantized matrix side by
             # side (two copies of the largest group) instead of reloading one per logits slice.
-            reference = None if self.keep_reference else self.source.read(head_weight, dtype=self.stream.dtype)
-            quantized = overrides[head_weight]
+            device, dtype = self.stream.device, self.stream.dtype  # moved once, not per slice
+            reference = None if self.keep_reference else self.source.read(head_weight, dtype=dtype).to(device)
+            quantized = overrides[head_weight].to(device, dtype)
             with self.stream.resident(NORM):
                 return self._distances(hidden, lambda x: self.stream.logits_with(x, reference),
                                        lambda x: self.stream.logits_with(x, quantized))
