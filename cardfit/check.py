@@ -62,7 +62,7 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
                           keep_values=True)
     finally:
         runtime.close()
-    report = {"artifact": str(artifact), "runtime": runtime.name + (f" {runtime.version}" if getattr(runtime, "version", None) else ""), "mode": "smoke" if smoke else "full",
+    report = {"artifact": str(artifact), "runtime": runtime.name, "mode": "smoke" if smoke else "full",
               "text": text_path.name, "tokens": int(chunks.numel()), "seq_len": int(chunks.shape[1]),
               "perplexity": _finite(meter.perplexity), "finite_logits": finite}
     if not smoke:

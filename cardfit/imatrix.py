@@ -73,7 +73,7 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
             bar.update(1)
     if bar:
         bar.close()
-    head = [n for n in names if source.groups().get(LM_HEAD) and n in {t.name for t in source.groups()[LM_HEAD]}]
+    head = [t.name for t in source.tensors() if t.group == LM_HEAD and t.name in names]
     if head:
         cal = calib.head_statistics()
         sums[names[head[0]]] = (cal.imatrix.to(torch.float64) * tokens).numpy().astype(np.float32)
@@ -125,7 +125,7 @@ class ImatrixFile:
             self.means[hf_name] = torch.from_numpy(sums / max(float(counts.reshape(-1)[0]), 1.0)).to(torch.float32)
         if not self.means:
             raise CardfitError(f"{path} has no entry for any tensor of this model", "use an imatrix made for this model")
-        self._layer_of = {n: t.group for n, t in ((t.name, t) for t in source.tensors())}
+        self._layer_of = {t.name: t.group for t in source.tensors()}
 
     def statistics(self, index: int) -> dict[str, Calibration]:
         group = f"layers.{index}"

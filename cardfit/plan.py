@@ -33,6 +33,7 @@ class Problem:
     bytes: np.ndarray  # (G, F) int
     allowed: np.ndarray  # (G, F) bool
     same_format: list[list[int]]
+    runtime: str = "llama.cpp"  # the runtime planned for, whose served formats `allowed` keeps to
 
     @classmethod
     def from_map(cls, data: dict, formats: list[str] | None = None, pins: dict[str, str] | None = None,
@@ -72,7 +73,7 @@ class Problem:
             raise CardfitError(f"none of the map's formats ({', '.join(fmts)}) is served by {runtime}",
                                "scan formats it serves: " + ", ".join(RUNTIME_FORMATS[runtime]))
         same = _fused_groups(names) if runtime.startswith("vllm") else []
-        return cls(names, list(fmts), damage, size, allowed, same)
+        return cls(names, list(fmts), damage, size, allowed, same, runtime)
 
 
 def check_runtime(data: dict, runtime: str | None) -> str:
@@ -233,7 +234,7 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
         "map": {"sha256": map_hash(data), "model": data["model"], "calibration": data["calibration"],
                 "rounding": data["rounding"]},
         "runtime": data.get("runtime"),
-        "served_by": check_runtime(data, runtime),
+        "served_by": problem.runtime,
         "budget": {"weight_budget_bytes": int(weight_budget), **(budget_info or {})},
         "solver": {"method": "MILP (HiGHS via scipy.optimize.milp)", "optimality_gap": solution.gap,
                    "proven_optimal": solution.gap == 0.0},

@@ -9,7 +9,6 @@ batch of token ids.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +86,7 @@ class VllmRuntime:
     name = "vllm"
 
     def __init__(self, path: str | Path, n_ctx: int = 512, python: str | Path | None = None):
+        from .architecture import geometry_from_config, load_config
         from .vllm_env import vllm_python
 
         self.path = Path(path)
@@ -95,8 +95,7 @@ class VllmRuntime:
         self._tensors: Path | None = None
         self._index: dict[tuple, int] = {}
         self._folder = None
-        self.vocab_size = int(json.loads((self.path / "config.json").read_text())["vocab_size"])
-        self.version = None
+        self.vocab_size = geometry_from_config(load_config(self.path), source=str(self.path)).vocab_size
 
     def tokenize(self, text: str) -> list[int]:
         from transformers import AutoTokenizer
@@ -113,7 +112,7 @@ class VllmRuntime:
         job = {"task": "logprobs", "model": str(self.path), "max_model_len": max(self.n_ctx, chunks.shape[1]) + 8,
                "sequences": sequences, "top_k": -1}
         answer, folder = run_driver(job, self._folder.name, self.python)
-        self.version = answer["vllm"]
+        self.name = f"vllm {answer['vllm']}"  # the report names the version that served it
         self._tensors = folder / answer["tensors"]
         self._index = {tuple(seq): n for n, seq in enumerate(sequences)}
 

@@ -81,6 +81,11 @@ class ArchSpec:
         return None if scaling is None else (scaling.get("rope_type") or scaling.get("type"))
 
     @property
+    def longrope(self) -> bool:
+        """Phi-3's long-context scaling ("su" is its older name)."""
+        return self.arch == "phi3" and self.rope_kind in ("longrope", "su")
+
+    @property
     def rope_dims(self) -> int:
         """Rotary dimensions per head; Phi-3 family models may rotate only part of each head."""
         params = self.config.get("rope_parameters") if isinstance(self.config.get("rope_parameters"), dict) else {}
@@ -100,7 +105,7 @@ class ArchSpec:
         if self.rope_kind is not None and self.rope_kind not in allowed:
             raise CardfitError(f"rope scaling '{self.rope_kind}' is not packed to GGUF by cardfit for {self.arch}",
                                "models with default, linear or llama3 rope scaling (and Phi-3's longrope) are")
-        if self.arch == "phi3" and self.rope_kind in ("longrope", "su"):
+        if self.longrope:
             scaling = self.rope_scaling
             long, short = scaling.get("long_factor"), scaling.get("short_factor")
             if not long or not short or len(long) != len(short) or 2 * len(long) != self.rope_dims:
@@ -139,19 +144,18 @@ class ArchSpec:
             writer.add_rope_dimension_count(self.rope_dims)
             writer.add_rope_scaling_orig_ctx_len(self.original_context)
             writer.add_sliding_window(int(cfg.get("sliding_window") or 0))  # 0: no window (Phi-4)
-            if self.rope_kind in ("longrope", "su"):
+            if self.longrope:
                 writer.add_rope_scaling_attn_factors(self.longrope_attention_factor)
         if self.head_dim != int(cfg["hidden_size"]) // self.n_head or self.arch in ("gemma3", "qwen3"):
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
         if self.arch == "gemma3":
             writer.add_sliding_window(int(cfg["sliding_window"]))
-        scaling = self.rope_scaling
-        if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) == "linear":
+        if self.rope_kind == "linear":
             import gguf
 
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(float(scaling["factor"]))
+            writer.add_rope_scaling_factor(float(self.rope_scaling["factor"]))
 
     @property
     def longrope_attention_factor(self) -> float:
@@ -166,7 +170,7 @@ class ArchSpec:
         """Tensors llama.cpp needs that the checkpoint does not hold (llama3 rope frequency factors,
         Phi-3's longrope factors)."""
         scaling = self.rope_scaling
-        if self.arch == "phi3" and self.rope_kind in ("longrope", "su"):
+        if self.longrope:
             return {"rope_factors_long.weight": np.asarray(scaling["long_factor"], dtype=np.float32),
                     "rope_factors_short.weight": np.asarray(scaling["short_factor"], dtype=np.float32)}
         if self.rope_kind != "llama3":
