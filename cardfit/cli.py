@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .compare import DEFAULT_PRESETS
+from .compare import DEFAULT_BASELINES, DEFAULT_PRESETS
 from .errors import CardfitError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -172,6 +173,35 @@ def plan_command(
             plot_frontier(points, problem, plot, chosen=(recipe["bytes"], recipe["predicted_damage"]))
 
 
+@app.command("refine")
+def refine_command(
+    recipe: str = typer.Argument(..., help="recipe.json from cardfit plan."),
+    map_path: str = typer.Option(..., "--map", help="The sensitivity map the recipe was planned from."),
+    out: str = typer.Option("recipe-refined.json", help="Where the refined recipe is written."),
+    model: Optional[str] = typer.Option(None, help="The model the map was scanned on (default: embedded model)."),
+    calibration: Optional[str] = typer.Option(None, help="The map's calibration text (default: bundled)."),
+    top: int = typer.Option(8, help="Heaviest downgrades whose in-context cost is measured."),
+    rounds: int = typer.Option(1, help="Measure-and-re-plan rounds."),
+    max_tokens: Optional[int] = typer.Option(None, help="Calibration tokens to measure over (default: the map's)."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+):
+    """Re-plan with measured interactions: kept only if the whole recipe measures better."""
+    from .atomic import write_json
+    from .maps import read_map
+    from .recipes import read_recipe
+    from .refine import refine
+
+    if Path(out).exists():
+        raise CardfitError(f"{out} exists", "choose another --out or remove it")
+    refined = refine(read_recipe(recipe), read_map(map_path), model, calibration, top, rounds, device, log=typer.echo,
+                     max_tokens=max_tokens)
+    record = refined["refinement"]
+    write_json(out, refined)
+    verdict = "kept the re-planned recipe" if record["kept"] else "the original recipe stands"
+    typer.echo(f"whole-recipe KLD on {record['calibration_tokens']} calibration tokens: "
+               f"{record['measured_before']:.5f} -> {record['measured_after']:.5f}; {verdict} -> {out}")
+
+
 @app.command("pack")
 def pack_command(
     recipe: str = typer.Argument(..., help="recipe.json from cardfit plan."),
@@ -228,7 +258,8 @@ def check_command(
     smoke: bool = typer.Option(False, help="Artifact alone, perplexity ceiling only (no reference)."),
     out: Optional[str] = typer.Option(None, help="Also write the report as JSON here."),
     device: str = typer.Option("cpu", help="cpu or cuda[:N] for the reference."),
-    runtime: Optional[str] = typer.Option(None, help="vllm to serve a compressed-tensors directory in vLLM "
+    runtime: Optional[str] = typer.Option(None, help="vllm to serve a compressed-tensors directory in vLLM; "
+                                          "bitsandbytes to load a full-precision directory as NF4 "
                                           "(default: llama.cpp for GGUF, transformers for a directory)."),
 ):
     """Measure the artifact in its real runtime against the reference; refuse a corpse (exit 2)."""
@@ -264,13 +295,15 @@ def fit_command(
     max_tokens: int = typer.Option(1024, help="Calibration tokens for the scan and data-aware rounding."),
     method: str = typer.Option("rtn", help="Pack rounding: rtn/imatrix (GGUF), rtn/gptq/awq (compressed-tensors)."),
     full_check: bool = typer.Option(False, "--check", help="Also run the full check against the reference."),
+    refine: bool = typer.Option(False, "--refine", help="Re-plan with measured interactions (cardfit refine; "
+                                "about 4x the scan's tokens of whole-recipe passes)."),
     device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
 ):
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit
 
     fit(model, vram, context, batch, kv_dtype, format, out, formats, calibration, max_tokens, method=method,
-        full_check=full_check, device=device, log=typer.echo)
+        full_check=full_check, device=device, log=typer.echo, refine=refine)
 
 
 @app.command("compare")
@@ -279,21 +312,28 @@ def compare_command(
     out: str = typer.Option("compare-out", help="Directory for the files and the table."),
     map_path: Optional[str] = typer.Option(None, "--map", help="A llama.cpp sensitivity map (default: scan one)."),
     presets: str = typer.Option(",".join(DEFAULT_PRESETS), help="llama.cpp presets to meet at equal bytes."),
+    baselines: str = typer.Option(",".join(DEFAULT_BASELINES),
+                                  help="Uniform 4-bit rows: rtn, gptq, awq (W4A16-g128 checkpoints), nf4 "
+                                       "(bitsandbytes); 'none' for none."),
+    imatrix: bool = typer.Option(False, "--imatrix", help="Both sides round with one importance matrix "
+                                 "(llama.cpp's presets and cardfit's map and pack)."),
+    speed: bool = typer.Option(True, help="Also measure single-stream generation tokens/s of every row."),
     text: Optional[str] = typer.Option(None, help="Held-out text (default: bundled)."),
     max_tokens: int = typer.Option(2048, help="Held-out tokens each artifact is measured over."),
-    scan_tokens: int = typer.Option(1024, help="Calibration tokens when compare scans the map itself."),
+    scan_tokens: int = typer.Option(1024, help="Calibration tokens for the map, the imatrix, GPTQ and AWQ."),
 ):
-    """cardfit against llama.cpp's presets at equal bytes: KLD, top-1, perplexity (markdown + JSON + plot)."""
+    """cardfit against the shelf at equal bytes: llama.cpp presets, W4A16 RTN/GPTQ/AWQ, NF4 (markdown + JSON + plot)."""
     from .compare import compare, render_compare
 
+    chosen = [] if baselines.strip() == "none" else [b.strip() for b in baselines.split(",") if b.strip()]
     result = compare(model, out, map_path, [p.strip() for p in presets.split(",") if p.strip()], text, max_tokens,
-                     scan_tokens=scan_tokens, log=typer.echo)
+                     scan_tokens=scan_tokens, log=typer.echo, imatrix=imatrix, baselines=chosen, speed=speed)
     typer.echo(render_compare(result))
 
 
 def _runtime(name: Optional[str]) -> Optional[str]:
-    if name not in (None, "llama.cpp", "transformers", "vllm"):
-        raise CardfitError(f"unknown --runtime '{name}'", "use --runtime vllm, transformers or llama.cpp")
+    if name not in (None, "llama.cpp", "transformers", "vllm", "bitsandbytes"):
+        raise CardfitError(f"unknown --runtime '{name}'", "use --runtime vllm, transformers, llama.cpp or bitsandbytes")
     return None if name in ("llama.cpp", "transformers") else name
 
 

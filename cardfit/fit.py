@@ -32,7 +32,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         kv_dtype: str = "f16", format: str = "gguf", out: str | Path = "cardfit-out", formats: str | None = None,
         calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
         full_check: bool = False, check_tokens: int = 2048, device: str = "cpu", progress: bool = True,
-        log=print) -> dict:
+        log=print, refine: bool = False, refine_tokens: int | None = None) -> dict:
     """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary."""
     from .budget import budget as compute_budget
     from .budget import render_budget
@@ -73,6 +73,9 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
             "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
     recipe = plan(map_path, b.weight_budget_bytes, budget_info=info, reserve_bytes=reserve)
+    if refine:
+        recipe = _refined(recipe, sensitivity, state, state_path, out, model, calibration, refine_tokens or 4 * max_tokens,
+                          device, log)
     write_json(out / "recipe.json", recipe)
     _say(log, render_recipe(recipe))
     problem = Problem.from_map(sensitivity)
@@ -112,6 +115,26 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {artifact.name}, report.md, sensitivity.png, frontier.png")
     return {"out": str(out), "budget": b.to_dict(), "recipe": recipe, "pack": packed, "check": checked,
             "artifact": str(artifact)}
+
+
+def _refined(recipe, sensitivity, state, state_path, out, model, calibration, tokens, device, log) -> dict:
+    """The refined recipe, measured once per plain recipe (a rerun reuses it)."""
+    from .atomic import write_json
+    from .refine import refine
+
+    plain_hash = "sha256:" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+    saved = out / "recipe.json"
+    if state.get("refined_from") == plain_hash and saved.exists():
+        _say(log, "refinement of this plan already measured; reused")
+        return json.loads(saved.read_text())
+    _say(log, f"refining: in-context costs of the heaviest downgrades over {tokens} calibration tokens")
+    refined = refine(recipe, sensitivity, model, calibration, device=device, log=log, max_tokens=tokens)
+    record = refined["refinement"]
+    _say(log, f"whole recipe {record['measured_before']:.5f} -> {record['measured_after']:.5f} "
+              f"({'re-planned recipe kept' if record['kept'] else 'plan unchanged'})")
+    state["refined_from"] = plain_hash
+    write_json(state_path, state)
+    return refined
 
 
 def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dict | None, artifact: Path) -> str:

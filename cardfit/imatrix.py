@@ -21,7 +21,7 @@ from .formats import Calibration
 from .sources import LM_HEAD, ModelSource
 
 
-def _gguf_names(source: ModelSource) -> dict[str, str]:
+def gguf_tensor_names(source: ModelSource) -> dict[str, str]:
     """HF tensor name -> llama.cpp's name, for the matrices llama.cpp multiplies by."""
     from .pack.gguf_arch import ArchSpec
 
@@ -51,7 +51,7 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
     if out.suffix != ".gguf":
         raise CardfitError(f"{out} does not end in .gguf", "cardfit writes llama.cpp's GGUF imatrix: --out imatrix.gguf")
     source = open_model(model)
-    names = _gguf_names(source)
+    names = gguf_tensor_names(source)
     text, text_path = load_text(calibration)
     chunks = token_chunks(AutoTokenizer.from_pretrained(str(source.path)), text, seq_len, max_tokens,
                           source=str(text_path))
@@ -114,7 +114,7 @@ class ImatrixFile:
         tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
         self.means: dict[str, torch.Tensor] = {}
         shapes = {t.name: t.shape for t in source.tensors()}
-        for hf_name, gguf_name in _gguf_names(source).items():
+        for hf_name, gguf_name in gguf_tensor_names(source).items():
             sums, counts = tensors.get(f"{gguf_name}.in_sum2"), tensors.get(f"{gguf_name}.counts")
             if sums is None or counts is None:
                 continue  # llama.cpp quantizes such a tensor without one too

@@ -209,7 +209,7 @@ def parse_assignments(items: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = None,
+def plan(map_path: str | Path | dict, weight_budget: int, formats: list[str] | None = None,
          pins: dict[str, str] | None = None, floors: dict[str, str] | None = None,
          budget_info: dict | None = None, reserve_bytes: int = 0, runtime: str | None = None) -> dict:
     """The optimal recipe for a map and a weight budget, as the recipe JSON (docs/formats.md).
@@ -218,9 +218,13 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
     alignment padding; see `pack.reserve_bytes`), so that the packed file, not just its tensors,
     fits the budget.
     """
-    from .maps import read_map
+    from .maps import read_map, validate_map
 
-    data = read_map(map_path)
+    if isinstance(map_path, dict):  # a map already read (refine plans from a corrected copy)
+        validate_map(map_path)
+        data = map_path
+    else:
+        data = read_map(map_path)
     problem = Problem.from_map(data, formats, pins, floors, runtime)
     solution = _solve(problem, weight_budget - reserve_bytes) if reserve_bytes < weight_budget else None
     if solution is None:  # the minimum is stated against the whole budget, reserve included
@@ -235,6 +239,8 @@ def plan(map_path: str | Path, weight_budget: int, formats: list[str] | None = N
                 "rounding": data["rounding"]},
         "runtime": data.get("runtime"),
         "served_by": problem.runtime,
+        "constraints": {"formats": list(formats) if formats else None, "pins": dict(pins or {}),
+                        "floors": dict(floors or {})},
         "budget": {"weight_budget_bytes": int(weight_budget), **(budget_info or {})},
         "solver": {"method": "MILP (HiGHS via scipy.optimize.milp)", "optimality_gap": solution.gap,
                    "proven_optimal": solution.gap == 0.0},

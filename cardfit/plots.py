@@ -73,19 +73,24 @@ def plot_sensitivity(sensitivity: dict, path: str | Path) -> None:
 
 
 def plot_compare(rows: list[dict], path: str | Path) -> None:
-    """Bytes against measured KLD: each shelf preset and cardfit's recipe at its size."""
+    """Bytes against measured KLD: the shelf (presets, uniform 4-bit rows) and cardfit at each of its sizes."""
     plt = _pyplot()
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     mib = 2**20
-    for kind, marker, label in (("shelf", "s", "llama.cpp preset"), ("cardfit", "*", "cardfit at <= preset size")):
+    kinds = (("shelf", "s", "llama.cpp preset"), ("baseline", "^", "uniform 4-bit (W4A16, NF4)"),
+             ("cardfit", "*", "cardfit at <= that size"))  # the F16 floor (~1e-6) would only flatten the axis
+    for kind, marker, label in kinds:
         picked = [r for r in rows if r["kind"] == kind and "kld_mean" in r]
+        if not picked:
+            continue
         ax.scatter([r["bytes"] / mib for r in picked], [r["kld_mean"] for r in picked], marker=marker,
                    s=90 if marker == "*" else 40, label=label, zorder=3)
-        if kind == "shelf":
-            for r in picked:
-                ax.annotate(r["preset"], (r["bytes"] / mib, r["kld_mean"]), textcoords="offset points",
-                            xytext=(4, 4), fontsize=8)
+        if kind in ("shelf", "baseline"):
+            for n, r in enumerate(picked):
+                ax.annotate(r.get("preset") or r["name"].replace("W4A16-g128 ", "").replace("bitsandbytes ", ""),
+                            (r["bytes"] / mib, r["kld_mean"]), textcoords="offset points",
+                            xytext=(6, 4) if kind == "shelf" else (6 + 34 * (n % 2), -3), fontsize=8)
     ax.set_xlabel("file size (MiB)")
     ax.set_ylabel("measured mean KLD vs reference (nats/token)")
     ax.set_yscale("log")

@@ -79,6 +79,63 @@ class TransformersRuntime:
         del self.model
 
 
+class BitsAndBytesRuntime:
+    """bitsandbytes NF4 as people use it: no file, transformers quantizes the full-precision model
+    at load (4-bit NF4 codes, one fp32 absmax per 64 weights, decoder linears only; the
+    embedding and the output matrix stay 16-bit). `path` is the reference model itself."""
+
+    def __init__(self, path: str | Path, device: str = "cpu"):
+        import importlib
+        from importlib.metadata import version
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+        self.path = Path(path)
+        try:
+            importlib.import_module("bitsandbytes")
+        except Exception as exc:  # a broken install raises all sorts of errors at import
+            raise CardfitError(f"bitsandbytes does not import here ({exc.__class__.__name__}: {exc})",
+                               "pip install bitsandbytes (0.49 or newer runs on CPU)") from None
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                    bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=False)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), quantization_config=config,
+                                                              device_map=device)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CardfitError(f"bitsandbytes cannot load {self.path} ({exc.__class__.__name__}: {exc})",
+                               "give a full-precision model directory") from None
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.device = device
+        self.name = f"transformers + bitsandbytes {version('bitsandbytes')} NF4"
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids.to(self.device)).logits.to(torch.float32).cpu()
+
+    @torch.no_grad()
+    def generation_tokens_per_s(self, prompt: list[int], tokens: int = 32) -> float:
+        """Greedy decoding speed: the time for `tokens` new tokens less the time for the first (the prompt)."""
+        import time
+
+        ids = torch.tensor([prompt], device=self.device)
+
+        def timed(n: int) -> float:
+            start = time.perf_counter()
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
+            return time.perf_counter() - start
+
+        timed(1)  # warm-up
+        return (tokens - 1) / max(timed(tokens) - timed(1), 1e-9)
+
+    def close(self) -> None:
+        del self.model
+
+
 class VllmRuntime:
     """vLLM serving a compressed-tensors checkpoint. Starting vLLM costs ~20 s, so `prepare` scores
     every chunk in one engine start and `logits` reads the answers back."""
@@ -139,11 +196,16 @@ class VllmRuntime:
 def open_runtime(path: str | Path, n_ctx: int = 512, device: str = "cpu", kind: str | None = None,
                  runtime: str | None = None):
     """The runtime an artifact is served by: llama.cpp for GGUF, transformers (or, asked for, vLLM)
-    for a checkpoint directory.
+    for a checkpoint directory; asked for bitsandbytes, a full-precision directory quantized to NF4 at load.
 
     `kind` ("gguf" or "compressed-tensors") names it when the file name cannot (a temporary name).
     """
     path = Path(path)
+    if runtime == "bitsandbytes":
+        if not (path.is_dir() and (path / "config.json").exists()):
+            raise CardfitError(f"bitsandbytes quantizes a full-precision model directory at load; {path} is not one",
+                               "give the reference model's directory as the artifact")
+        return BitsAndBytesRuntime(path, device)
     if runtime == "vllm":
         if not (path.is_dir() and (path / "config.json").exists()):
             raise CardfitError(f"vLLM serves checkpoint directories; {path} is not one",

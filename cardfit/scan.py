@@ -98,7 +98,9 @@ def _same_job(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
-class _Scanner:
+class Scanner:
+    """The measuring machinery of a scan: one reference pass, then any set of quantized groups against it."""
+
     def __init__(self, source, stream, chunks, batch, cache: ActivationCache, rounding: str):
         self.source, self.stream, self.chunks, self.batch = source, stream, chunks, batch
         self.cache, self.rounding = cache, rounding
@@ -173,6 +175,11 @@ class _Scanner:
         for i in range(start, self.layers):
             with self.stream.resident(f"layers.{i}", overrides):
                 hidden = [self.stream.run_layer(i, h) for h in hidden]
+        return self.head_distances(hidden, overrides)
+
+    @torch.no_grad()
+    def head_distances(self, hidden: list[torch.Tensor], overrides: dict[str, torch.Tensor]) -> DistanceMeter:
+        """The final hidden states through the head (quantized if `overrides` holds it) against the reference."""
         head = EMBED if self.stream.tied else LM_HEAD
         head_weight = next(n for n in self.stream.group_tensors(head) if n.endswith("weight"))
         if head_weight in overrides:
@@ -281,7 +288,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     stream = StreamedModel(source, device=device)
     budget = None if memory_cap is None else memory_cap // 2
     cache = ActivationCache(budget, spill_dir=out.parent)
-    scanner = _Scanner(source, stream, chunks, batch, cache, rounding)
+    scanner = Scanner(source, stream, chunks, batch, cache, rounding)
     bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
     try:
         ref = scanner.reference()

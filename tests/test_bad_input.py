@@ -77,3 +77,16 @@ def test_no_fit_is_an_error_with_the_minimum(run_cli, default_model_dir):
     code, out, err = run_cli("budget", "--vram", "570MiB", "--context", "2048", "--config", default_model_dir)
     assert_clean_error(code, err, "no recipe fits the", "minimum achievable is", "over)")
     assert "= weight budget" in out
+
+
+def test_compare_unknown_baseline(run_cli, tmp_path):
+    code, _, err = run_cli("compare", "--out", tmp_path / "cmp", "--baselines", "rtn,int3")
+    assert_clean_error(code, err, "unknown baseline 'int3'", "nf4")
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_check_bitsandbytes_needs_a_model_directory(run_cli, tmp_path):
+    artifact = tmp_path / "model.gguf"
+    artifact.write_bytes(b"GGUF")
+    code, _, err = run_cli("check", artifact, "--runtime", "bitsandbytes")
+    assert_clean_error(code, err, "full-precision model directory")

@@ -64,3 +64,28 @@ def test_rerun_skips_finished_stages(embedded_fit, monkeypatch):
 def test_fit_needs_vram_for_your_own_model(tiny_models, run_cli):
     code, _, err = run_cli("fit", tiny_models["llama"])
     assert code == 2 and "--vram" in err
+
+
+def test_fit_refine_writes_the_refined_recipe_and_reuses_it(embedded_fit, tmp_path):
+    """On a copy of the fit run (its map is complete): plan, refine, pack the refined recipe; a rerun reuses both."""
+    import shutil
+
+    from cardfit.fit import fit
+
+    out = tmp_path / "run"
+    shutil.copytree(embedded_fit[0], out)
+    said = []
+    kwargs = dict(max_tokens=512, seq_len=256, progress=False, refine=True, refine_tokens=512, log=said.append)
+    first = fit(out=out, **kwargs)
+    saved = json.loads((out / "recipe.json").read_text())
+    record = saved["refinement"]
+    assert record["calibration_tokens"] == 512 and saved == json.loads(json.dumps(first["recipe"]))
+    assert record["measured_after"] <= record["measured_before"] and record["savings"]
+    assert saved["bytes"] + saved["reserved_bytes"] <= saved["budget"]["weight_budget_bytes"]
+    assert first["pack"]["file_bytes"] <= saved["budget"]["weight_budget_bytes"]
+    assert json.loads((out / "fit.json").read_text())["refined_from"].startswith("sha256:")
+    said.clear()
+    again = fit(out=out, **kwargs)
+    assert any("already measured; reused" in str(line) for line in said)
+    assert any("already packed from this recipe" in str(line) for line in said)
+    assert again["recipe"] == first["recipe"]
