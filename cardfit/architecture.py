@@ -3,7 +3,8 @@
 Budgeting needs the attention geometry of every layer (how many KV heads, how wide,
 whether the layer is global, sliding-window, latent (MLA) or has no KV at all), and
 sizing needs the hidden and vocabulary widths. Multimodal configs keep the language
-model under `text_config`; we read that part.
+model under `text_config`; we read that part. Every key read here is validated first, in one
+place (config_schema.validate_config), so what follows can trust types and ranges.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config_schema import FIX, first, show, validate_config
 from .errors import CardfitError
 
 # model_type -> family. The family decides how layer kinds are derived.
@@ -62,6 +64,8 @@ class ModelGeometry:
     mla_latent: int | None = None  # kv_lora_rank + qk_rope_head_dim per token per layer
     ssm: SsmGeometry | None = None
     raw: dict = field(default_factory=dict, repr=False)
+    source: str = "config.json"  # where the config came from, for messages
+    keys: dict[str, str] = field(default_factory=dict, repr=False)  # role -> config key it was read from
 
     @property
     def attention_layers(self) -> int:
@@ -90,75 +94,96 @@ def load_config(path: str | Path) -> dict:
     return config
 
 
-def _text_part(config: dict) -> dict:
+def _text_part(config: dict, source: str) -> tuple[dict, str]:
+    """The language-model part of a config and the prefix that names its keys in messages."""
     text = config.get("text_config")
-    if isinstance(text, dict):
-        merged = dict(text)
-        merged.setdefault("model_type", config.get("model_type"))
-        if "tie_word_embeddings" not in merged and "tie_word_embeddings" in config:
-            merged["tie_word_embeddings"] = config["tie_word_embeddings"]
-        return merged
-    return config
+    if text is None:
+        return config, ""
+    if not isinstance(text, dict):
+        raise CardfitError(f"{source} has text_config={show(text)}, expected an object", FIX)
+    merged = dict(text)
+    merged.setdefault("model_type", config.get("model_type"))
+    if "tie_word_embeddings" not in merged and "tie_word_embeddings" in config:
+        merged["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return merged, "text_config."
 
 
-def _require(config: dict, *keys: str, source: str = "config.json") -> int:
-    for key in keys:
-        value = config.get(key)
-        if value is not None:
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CardfitError(f"{source} has {key}={value!r}, expected a positive integer",
-                                   "restore the model's original config.json")
-            return value
-    raise CardfitError(f"{source} lacks {' / '.join(keys)}", "restore the model's original config.json")
+def _require(config: dict, *keys: str, source: str = "config.json", prefix: str = "") -> tuple[str, int]:
+    """The first of `keys` the config gives (its value already validated) and its name in messages."""
+    key, value = first(config, *keys)
+    if key is None:
+        raise CardfitError(f"{source} lacks {' / '.join(prefix + k for k in keys)}", FIX)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:  # keys outside the schema
+        raise CardfitError(f"{source} has {prefix}{key}={show(value)}, expected a positive integer", FIX)
+    return prefix + key, value
 
 
 def geometry_from_config(config: dict, source: str = "config.json") -> ModelGeometry:
-    """Turn a config dict into the geometry every stage uses."""
+    """Turn a config dict into the geometry every stage uses, validating every key it reads first."""
+    if not isinstance(config, dict):
+        raise CardfitError(f"{source} holds {type(config).__name__}, not a JSON object", FIX)
     outer_type = config.get("model_type")
-    cfg = _text_part(config)
+    if outer_type is not None and not isinstance(outer_type, str):
+        raise CardfitError(f"{source} has model_type={show(outer_type)}, expected a string", FIX)
+    cfg, prefix = _text_part(config, source)
     model_type = cfg.get("model_type") or outer_type
+    if not isinstance(model_type, (str, type(None))):
+        raise CardfitError(f"{source} has {prefix}model_type={show(model_type)}, expected a string", FIX)
     if model_type in ("gemma3",) and cfg is not config:
         model_type = "gemma3_text"
     if not model_type:
-        raise CardfitError(f"{source} has no model_type", "restore the model's original config.json")
+        raise CardfitError(f"{source} has no model_type", FIX)
     family = KNOWN_MODEL_TYPES.get(model_type)
     if family is None:
         raise CardfitError(
             f"unknown architecture '{model_type}' in {source}",
             "supported: " + ", ".join(sorted(KNOWN_MODEL_TYPES)),
         )
-    num_layers = _require(cfg, "num_hidden_layers", "n_layer", "num_layers", source=source)
-    hidden = _require(cfg, "hidden_size", "d_model", "n_embd", source=source)
-    heads = _require(cfg, "num_attention_heads", "n_head", source=source)
+    validate_config(cfg, family, source, prefix)
+    keys: dict[str, str] = {}
+    keys["num_layers"], num_layers = _require(cfg, "num_hidden_layers", "n_layer", "num_layers",
+                                              source=source, prefix=prefix)
+    keys["hidden"], hidden = _require(cfg, "hidden_size", "d_model", "n_embd", source=source, prefix=prefix)
+    keys["heads"], heads = _require(cfg, "num_attention_heads", "n_head", source=source, prefix=prefix)
+    keys["vocab"], vocab = _require(cfg, "vocab_size", source=source, prefix=prefix)
     kv_heads = cfg.get("num_key_value_heads") or heads
+    keys["kv_heads"] = prefix + "num_key_value_heads" if cfg.get("num_key_value_heads") else keys["heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
-    vocab = _require(cfg, "vocab_size", source=source)
+    keys["head_dim"] = prefix + "head_dim" if cfg.get("head_dim") else f"{keys['hidden']}/{keys['heads']}"
     inter = cfg.get("intermediate_size")
-    tie = bool(cfg.get("tie_word_embeddings", family in ("gemma2", "gemma3") or model_type == "gemma"))
+    keys["intermediate"] = prefix + "intermediate_size"
+    tie = cfg.get("tie_word_embeddings")
+    if tie is None:
+        tie = family in ("gemma2", "gemma3") or model_type == "gemma"
 
     head_dim_k = head_dim_v = head_dim
     mla_latent = None
     if family == "mla":
-        rank = _require(cfg, "kv_lora_rank", source=source)
-        rope = _require(cfg, "qk_rope_head_dim", source=source)
+        rank = _require(cfg, "kv_lora_rank", source=source, prefix=prefix)[1]
+        rope = _require(cfg, "qk_rope_head_dim", source=source, prefix=prefix)[1]
         mla_latent = rank + rope
 
-    layers = _layer_kinds(cfg, family, num_layers, source)
-    ssm = _ssm_geometry(cfg, hidden) if any(k.recurrent for k in layers) else None
+    layers = _layer_kinds(cfg, family, num_layers, source, prefix)
+    ssm = _ssm_geometry(cfg, hidden, source, prefix) if any(k.recurrent for k in layers) else None
     return ModelGeometry(
         model_type=model_type, num_layers=num_layers, hidden_size=hidden, intermediate_size=inter,
         vocab_size=vocab, num_heads=heads, num_kv_heads=kv_heads, head_dim_k=head_dim_k,
         head_dim_v=head_dim_v, layers=layers, tie_word_embeddings=tie,
-        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype"),
-        mla_latent=mla_latent, ssm=ssm, raw=cfg,
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype") or _outer_dtype(config),
+        mla_latent=mla_latent, ssm=ssm, raw=cfg, source=source, keys=keys,
     )
 
 
+def _outer_dtype(config: dict) -> str | None:
+    dtype = config.get("torch_dtype")
+    return dtype if isinstance(dtype, str) else None
+
+
 def _sliding(cfg: dict) -> int | None:
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window") or None  # 0 means no window (transformers' Qwen2-MoE, llama.cpp)
     if window is None or cfg.get("use_sliding_window") is False:
         return None
-    return int(window)
+    return window
 
 
 _LAYER_TYPE_WORDS = {
@@ -169,29 +194,36 @@ _LAYER_TYPE_WORDS = {
     "hybrid": (FULL, True),
 }
 
+# Nemotron-H's hybrid_override_pattern: M = mamba, * = attention, - = MLP, E = MoE
+_PATTERN_CHARS = {"M": LayerKind(NO_KV, recurrent=True), "*": LayerKind(FULL), "-": LayerKind(NO_KV),
+                  "E": LayerKind(NO_KV)}
 
-def _from_layer_types(types: list, window: int | None, num_layers: int, source: str) -> list[LayerKind]:
+
+def _from_layer_types(types: list, window: int | None, num_layers: int, source: str, key: str) -> list[LayerKind]:
     if len(types) != num_layers:
-        raise CardfitError(f"{source} lists {len(types)} layer_types for {num_layers} layers",
-                           "restore the model's original config.json")
+        raise CardfitError(f"{source} lists {len(types)} {key} for {num_layers} layers", FIX)
     kinds = []
     for word in types:
         if word not in _LAYER_TYPE_WORDS:
-            raise CardfitError(f"{source} has unknown layer type '{word}'",
+            raise CardfitError(f"{source} has unknown layer type {show(word)} in {key}",
                                "known: " + ", ".join(sorted(_LAYER_TYPE_WORDS)))
         attention, recurrent = _LAYER_TYPE_WORDS[word]
-        if attention == SLIDING and window is None:
-            raise CardfitError(f"{source} has sliding layers but no sliding_window",
-                               "restore the model's original config.json")
         kinds.append(LayerKind(attention, window if attention == SLIDING else None, recurrent))
     return kinds
 
 
-def _layer_kinds(cfg: dict, family: str, num_layers: int, source: str) -> list[LayerKind]:
-    window = cfg.get("sliding_window")
+def _layer_kinds(cfg: dict, family: str, num_layers: int, source: str, prefix: str = "") -> list[LayerKind]:
+    kinds = _layer_kinds_unchecked(cfg, family, num_layers, source, prefix)
+    if any(k.attention == SLIDING and k.window is None for k in kinds):
+        raise CardfitError(f"{source} has sliding-window layers but no {prefix}sliding_window", FIX)
+    return kinds
+
+
+def _layer_kinds_unchecked(cfg: dict, family: str, num_layers: int, source: str, prefix: str) -> list[LayerKind]:
+    window = cfg.get("sliding_window") or None
     for key in ("layer_types", "layers_block_type"):
         if isinstance(cfg.get(key), list):
-            return _from_layer_types(cfg[key], window, num_layers, source)
+            return _from_layer_types(cfg[key], window, num_layers, source, prefix + key)
     if family == "gemma2":
         # Gemma 2 alternates local and global, starting local.
         return [LayerKind(SLIDING, window) if i % 2 == 0 else LayerKind(FULL) for i in range(num_layers)]
@@ -201,39 +233,45 @@ def _layer_kinds(cfg: dict, family: str, num_layers: int, source: str) -> list[L
                 for i in range(num_layers)]
     if family == "hybrid":
         pattern = cfg.get("hybrid_override_pattern")
-        if isinstance(pattern, str):  # Nemotron-H: M = mamba, * = attention, - = MLP, E = MoE
+        if isinstance(pattern, str):
             if len(pattern) != num_layers:
-                raise CardfitError(f"{source} hybrid_override_pattern has {len(pattern)} entries "
-                                   f"for {num_layers} layers", "restore the model's original config.json")
-            return [LayerKind(FULL) if c == "*" else LayerKind(NO_KV, recurrent=(c == "M")) for c in pattern]
-        if "attn_layer_period" in cfg:  # Jamba
-            period, offset = cfg["attn_layer_period"], cfg.get("attn_layer_offset", 0)
+                raise CardfitError(f"{source} {prefix}hybrid_override_pattern has {len(pattern)} entries "
+                                   f"for {num_layers} layers", FIX)
+            unknown = sorted(set(pattern) - set(_PATTERN_CHARS))
+            if unknown:
+                raise CardfitError(f"{source} has {prefix}hybrid_override_pattern with unknown layer "
+                                   f"character(s) {show(''.join(unknown))}",
+                                   "known: M (mamba), * (attention), - (MLP), E (MoE)")
+            return [_PATTERN_CHARS[c] for c in pattern]
+        if cfg.get("attn_layer_period") is not None:  # Jamba
+            period, offset = cfg["attn_layer_period"], cfg.get("attn_layer_offset") or 0
             return [LayerKind(FULL) if i % period == offset else LayerKind(NO_KV, recurrent=True)
                     for i in range(num_layers)]
-        if "full_attention_interval" in cfg:  # Qwen3-Next
+        if cfg.get("full_attention_interval") is not None:  # Qwen3-Next
             interval = cfg["full_attention_interval"]
             return [LayerKind(FULL) if (i + 1) % interval == 0 else LayerKind(NO_KV, recurrent=True)
                     for i in range(num_layers)]
         if cfg.get("model_type") == "falcon_h1":  # attention and mamba heads side by side in every layer
             return [LayerKind(FULL, recurrent=True) for _ in range(num_layers)]
-        raise CardfitError(f"{source} is a hybrid model but names no layer pattern",
-                           "restore the model's original config.json")
+        raise CardfitError(f"{source} is a hybrid model but names no layer pattern", FIX)
     sliding = _sliding(cfg)
     if sliding is not None:
         max_window_layers = cfg.get("max_window_layers")
-        if max_window_layers is not None and cfg.get("model_type", "").startswith("qwen"):
+        if max_window_layers is not None and (cfg.get("model_type") or "").startswith("qwen"):
             return [LayerKind(SLIDING, sliding) if i >= max_window_layers else LayerKind(FULL)
                     for i in range(num_layers)]
         return [LayerKind(SLIDING, sliding) for _ in range(num_layers)]
     return [LayerKind(FULL) for _ in range(num_layers)]
 
 
-def _ssm_geometry(cfg: dict, hidden: int) -> SsmGeometry:
+def _ssm_geometry(cfg: dict, hidden: int, source: str = "config.json", prefix: str = "") -> SsmGeometry:
     if cfg.get("model_type") == "qwen3_next":
         # Gated DeltaNet: a (key_dim x value_dim) state per value head; conv over q, k and v.
-        k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-        k_dim, v_dim = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-        d_conv = cfg.get("linear_conv_kernel_dim", 4)
+        k_heads = _require(cfg, "linear_num_key_heads", source=source, prefix=prefix)[1]
+        v_heads = _require(cfg, "linear_num_value_heads", source=source, prefix=prefix)[1]
+        k_dim = _require(cfg, "linear_key_head_dim", source=source, prefix=prefix)[1]
+        v_dim = _require(cfg, "linear_value_head_dim", source=source, prefix=prefix)[1]
+        d_conv = cfg.get("linear_conv_kernel_dim") or 4
         return SsmGeometry(state_elements=v_heads * k_dim * v_dim,
                            conv_elements=(d_conv - 1) * (2 * k_heads * k_dim + v_heads * v_dim))
     d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size") or 128

@@ -46,6 +46,39 @@ def atomic_path(path: str | Path):
 
 
 @contextlib.contextmanager
+def atomic_paths(*paths: str | Path | None):
+    """Several outputs of one command as one: temporary paths for each (None stays None), all renamed
+    into place only once every one is written, so a failure part-way leaves none of them."""
+    with contextlib.ExitStack() as stack:
+        temps = [None if p is None else stack.enter_context(_staged(Path(p))) for p in paths]
+        yield temps
+        for staged in temps:
+            if staged is not None:
+                staged.ready = True
+
+
+class _Staged(type(Path())):
+    ready = False
+
+
+@contextlib.contextmanager
+def _staged(path: Path):
+    _check_parent(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    os.close(fd)
+    staged = _Staged(tmp)
+    try:
+        yield staged
+    finally:
+        if staged.ready:
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+@contextlib.contextmanager
 def atomic_directory(path: str | Path):
     """Yield a temporary directory beside `path`; it becomes `path` only on success."""
     path = Path(path)
@@ -62,6 +95,10 @@ def atomic_directory(path: str | Path):
         raise
 
 
-def write_json(path: str | Path, obj) -> None:
+def write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")

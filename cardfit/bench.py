@@ -119,7 +119,7 @@ def bench_vllm(artifact: str | Path, vram: str | int | None = None, reference: s
         raise CardfitError(f"{path} is not a compressed-tensors checkpoint directory",
                            "cardfit bench --runtime vllm measures what `cardfit pack --format compressed-tensors` writes")
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    ref = open_model(reference)
+    ref = open_model(reference, run=True)  # its 16-bit form, also for a .gguf
     ref_bytes = sum(t.nbytes for t in ref.tensors())
     answer, _ = run_driver({"task": "bench", "model": str(path), "max_model_len": 1024, "gen_tokens": gen_tokens,
                             "batch": batch, "kv_cache_gib": 1}, python=python)

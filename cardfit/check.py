@@ -53,7 +53,7 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
             from .runner import StreamedModel
             from .sources import open_model
 
-            stream = StreamedModel(open_model(reference), device=device)
+            stream = StreamedModel(open_model(reference, run=True), device=device)
             for i in range(0, len(chunks), batch):
                 ids = chunks[i:i + batch]
                 logits = runtime.logits(ids)
@@ -88,7 +88,7 @@ def _chunks(runtime, body: str, text_path: Path, seq_len: int, max_tokens: int, 
 
         from .sources import open_model
 
-        tokenizer = AutoTokenizer.from_pretrained(str(open_model(tok_dir).path))
+        tokenizer = AutoTokenizer.from_pretrained(str(open_model(tok_dir, run=True).path))
         return token_chunks(tokenizer, body, seq_len, max_tokens, source=str(text_path))
 
     class _Wrap:  # token_chunks' tokenizer interface over the runtime's own tokenizer

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import math
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -17,6 +21,34 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 _state = {"debug": False}
 
 
+def _finite_check(test, wanted: str):
+    """A float option's callback: NaN and infinities never pass (they silently disable comparisons)."""
+    def callback(ctx: typer.Context, param: typer.CallbackParam, value):
+        if value is None:
+            return value
+        if not math.isfinite(value) or not test(value):
+            raise typer.BadParameter(f"{value} is not {wanted}")
+        return value
+    return callback
+
+
+def _device(value: str) -> str:
+    """--device checked before any work: a typo or a CUDA-less torch is one line, not a late traceback."""
+    from .quant.device import check_device
+
+    try:
+        check_device(value)
+    except CardfitError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+_fraction = _finite_check(lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+_fraction_or_zero = _finite_check(lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+_above_one = _finite_check(lambda v: v > 1, "a finite number above 1")
+_non_negative = _finite_check(lambda v: v >= 0, "a finite number of at least 0")
+
+
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
     _state["debug"] = debug
@@ -29,11 +61,11 @@ def budget_command(
     config: Optional[str] = typer.Option(None, "--config", "--model",
                                          help="config.json, model directory, .gguf or cached hub id "
                                               "(default: the embedded model)."),
-    batch: int = typer.Option(1, help="Concurrent sequences whose KV cache must fit."),
+    batch: int = typer.Option(1, min=1, help="Concurrent sequences whose KV cache must fit."),
     kv_dtype: str = typer.Option("f16", help="KV cache dtype: f16, bf16, fp8 (vLLM), q8_0, q4_0 (llama.cpp)."),
     runtime: str = typer.Option("llama.cpp", help="llama.cpp or vllm."),
     cuda_context: Optional[str] = typer.Option(None, help="Override the CUDA context size of the overhead model."),
-    gpu_memory_utilization: float = typer.Option(0.9, help="vLLM's gpu_memory_utilization."),
+    gpu_memory_utilization: float = typer.Option(0.9, callback=_fraction, help="vLLM's gpu_memory_utilization."),
     flash_attention: bool = typer.Option(True, help="llama.cpp flash attention (off adds the K·Q buffer)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
@@ -80,16 +112,16 @@ def sizes_command(
 def scan_command(
     model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
     calibration: Optional[str] = typer.Option(None, help="UTF-8 prose (default: the bundled calibration text)."),
-    max_tokens: int = typer.Option(8192, help="Calibration tokens to measure over."),
+    max_tokens: int = typer.Option(8192, min=1, help="Calibration tokens to measure over."),
     formats: str = typer.Option("Q8_0,Q6_K,Q4_K,Q3_K,Q2_K", help="Comma-separated formats of one runtime."),
     group_by: str = typer.Option("layer", help="layer or tensor."),
     out: str = typer.Option("sensitivity.json", help="Where the map is written (atomically, after every cell)."),
     resume: bool = typer.Option(False, help="Continue a partial map at --out."),
-    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N]."),
     memory_cap: Optional[str] = typer.Option(None, help="Memory for cached activations; beyond it they go to disk."),
     rounding: str = typer.Option("rtn", help="Rounding each cell uses: rtn, imatrix, gptq, awq."),
-    seq_len: int = typer.Option(512, help="Tokens per calibration chunk."),
-    batch: int = typer.Option(4, help="Chunks per forward."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per calibration chunk."),
+    batch: int = typer.Option(4, min=1, help="Chunks per forward."),
     method: str = typer.Option("exact", help="exact (measured KL, streamed) or fast (diagonal-Fisher estimate, "
                                              "whole model resident)."),
 ):
@@ -114,7 +146,7 @@ def plan_command(
     weight_budget: Optional[str] = typer.Option(None, help="Weight budget directly (bytes or units)."),
     vram: Optional[str] = typer.Option(None, help="Or: the card's memory; the budget is derived as in `budget`."),
     context: int = typer.Option(8192, help="With --vram: context length."),
-    batch: int = typer.Option(1, help="With --vram: concurrent sequences."),
+    batch: int = typer.Option(1, min=1, help="With --vram: concurrent sequences."),
     kv_dtype: str = typer.Option("f16", help="With --vram: KV cache dtype."),
     config: Optional[str] = typer.Option(None, help="With --vram: the model's config (default: embedded model)."),
     pin: Optional[list[str]] = typer.Option(None, help="GROUP=FORMAT, fixed (glob patterns allowed)."),
@@ -128,7 +160,8 @@ def plan_command(
                                           "map's); vllm-cpu: vLLM's CPU build (4-bit and dense only)."),
 ):
     """The least-damage recipe whose bytes fit the budget (exact MILP)."""
-    from .atomic import write_json
+    from .atomic import atomic_paths, write_json
+    from .formats import parse_formats
     from .maps import read_map
     from .plan import Problem, frontier, parse_assignments, plan, render_recipe
     from .units import parse_bytes
@@ -146,7 +179,13 @@ def plan_command(
                 "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
     else:
         raise CardfitError("no budget given", "pass --weight-budget BYTES or --vram SIZE --context N")
-    fmts = formats.split(",") if formats else None
+    from .paths import guard_output, input_paths
+
+    reads = {"the map": input_paths(map_path), "the model": input_paths(model), "the config": input_paths(config)}
+    for flag, path in (("--out", out), ("--frontier", frontier_out), ("--plot", plot)):
+        if path:
+            guard_output(path, reads, flag=flag)
+    fmts = [f.name for f in parse_formats(formats)] if formats else None
     pins, floors = parse_assignments(pin, "--pin"), parse_assignments(floor, "--floor")
     reserve = 0
     if model is not None:
@@ -159,18 +198,19 @@ def plan_command(
         check_map_model(data, source)
         reserve = reserve_bytes(source, data.get("runtime", "llama.cpp"))
     recipe = plan(map_path, budget_bytes, fmts, pins, floors, info, reserve_bytes=reserve, runtime=runtime)
-    write_json(out, recipe)
+    with atomic_paths(out, frontier_out, plot) as (out_tmp, frontier_tmp, plot_tmp):  # all three or none
+        write_json(out_tmp, recipe)
+        if frontier_out or plot:
+            problem = Problem.from_map(read_map(map_path), fmts, pins, floors, runtime)
+            points = frontier(problem)
+            if frontier_out:
+                write_json(frontier_tmp, {"points": points, "uniform_bytes": recipe["uniform_bytes"]})
+            if plot:
+                from .plots import plot_frontier
+
+                plot_frontier(points, problem, plot_tmp, chosen=(recipe["bytes"], recipe["predicted_damage"]))
     typer.echo(render_recipe(recipe))
     typer.echo(f"-> {out}")
-    if frontier_out or plot:
-        problem = Problem.from_map(read_map(map_path), fmts, pins, floors, runtime)
-        points = frontier(problem)
-        if frontier_out:
-            write_json(frontier_out, {"points": points, "uniform_bytes": recipe["uniform_bytes"]})
-        if plot:
-            from .plots import plot_frontier
-
-            plot_frontier(points, problem, plot, chosen=(recipe["bytes"], recipe["predicted_damage"]))
 
 
 @app.command("refine")
@@ -180,10 +220,10 @@ def refine_command(
     out: str = typer.Option("recipe-refined.json", help="Where the refined recipe is written."),
     model: Optional[str] = typer.Option(None, help="The model the map was scanned on (default: embedded model)."),
     calibration: Optional[str] = typer.Option(None, help="The map's calibration text (default: bundled)."),
-    top: int = typer.Option(8, help="Heaviest downgrades whose in-context cost is measured."),
-    rounds: int = typer.Option(1, help="Measure-and-re-plan rounds."),
-    max_tokens: Optional[int] = typer.Option(None, help="Calibration tokens to measure over (default: the map's)."),
-    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    top: int = typer.Option(8, min=1, help="Heaviest downgrades whose in-context cost is measured."),
+    rounds: int = typer.Option(1, min=1, help="Measure-and-re-plan rounds."),
+    max_tokens: Optional[int] = typer.Option(None, min=1, help="Calibration tokens to measure over (default: the map's)."),
+    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N]."),
 ):
     """Re-plan with measured interactions: kept only if the whole recipe measures better."""
     from .atomic import write_json
@@ -191,6 +231,10 @@ def refine_command(
     from .recipes import read_recipe
     from .refine import refine
 
+    from .paths import guard_output, input_paths
+
+    guard_output(out, {"the recipe": input_paths(recipe), "the map": input_paths(map_path),
+                       "the model": input_paths(model), "the calibration text": input_paths(calibration)})
     if Path(out).exists():
         raise CardfitError(f"{out} exists", "choose another --out or remove it")
     refined = refine(read_recipe(recipe), read_map(map_path), model, calibration, top, rounds, device, log=typer.echo,
@@ -210,13 +254,13 @@ def pack_command(
     format: Optional[str] = typer.Option(None, help="gguf or compressed-tensors (default: the recipe's runtime's)."),
     method: str = typer.Option("rtn", help="Rounding: rtn or imatrix (GGUF); rtn, gptq or awq (compressed-tensors)."),
     calibration: Optional[str] = typer.Option(None, help="Calibration text for imatrix/gptq/awq (default: bundled)."),
-    max_tokens: int = typer.Option(4096, help="Calibration tokens for imatrix/gptq/awq."),
+    max_tokens: int = typer.Option(4096, min=1, help="Calibration tokens for imatrix/gptq/awq."),
     imatrix: Optional[str] = typer.Option(None, help="A llama.cpp imatrix (GGUF, from cardfit imatrix or "
                                           "llama-imatrix) to round GGUF types with."),
     force: bool = typer.Option(False, help="Replace an existing --out."),
     smoke: bool = typer.Option(True, help="Run the smoke check (perplexity ceiling) before the artifact lands."),
-    ceiling: float = typer.Option(1000.0, help="The smoke check's perplexity ceiling."),
-    device: str = typer.Option("cpu", help="cpu or cuda[:N] for calibration passes."),
+    ceiling: float = typer.Option(1000.0, callback=_above_one, help="The smoke check's perplexity ceiling."),
+    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N] for calibration passes."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ):
     """Write the artifact the recipe says: GGUF for llama.cpp/Ollama, compressed-tensors for vLLM."""
@@ -231,10 +275,10 @@ def pack_command(
 def imatrix_command(
     model: Optional[str] = typer.Argument(None, help="Model directory or GGUF (default: the embedded model)."),
     calibration: Optional[str] = typer.Option(None, help="Calibration text (default: bundled)."),
-    max_tokens: int = typer.Option(8192, help="Calibration tokens."),
-    seq_len: int = typer.Option(512, help="Tokens per chunk (llama.cpp's imatrix.chunk_size)."),
+    max_tokens: int = typer.Option(8192, min=1, help="Calibration tokens."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per chunk (llama.cpp's imatrix.chunk_size)."),
     out: str = typer.Option("imatrix.gguf", help="Where llama.cpp's GGUF imatrix is written."),
-    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N]."),
 ):
     """llama.cpp's importance matrix, streamed one layer at a time: for pack --imatrix or llama-quantize."""
     from .imatrix import collect_imatrix
@@ -249,15 +293,15 @@ def check_command(
     artifact: str = typer.Argument(..., help="A .gguf file or a compressed-tensors directory."),
     reference: Optional[str] = typer.Option(None, help="The full-precision model (default: the embedded model)."),
     text: Optional[str] = typer.Option(None, help="Held-out text (default: the bundled held-out text)."),
-    max_tokens: int = typer.Option(4096, help="Tokens to measure over."),
-    seq_len: int = typer.Option(512, help="Tokens per chunk."),
-    ceiling: float = typer.Option(1000.0, help="Perplexity above which the artifact is a corpse."),
-    min_top1: float = typer.Option(0.05, help="Top-1 agreement below which the artifact is a corpse."),
-    max_kld: Optional[float] = typer.Option(None, help="Also fail when mean KLD exceeds this."),
+    max_tokens: int = typer.Option(4096, min=1, help="Tokens to measure over."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per chunk."),
+    ceiling: float = typer.Option(1000.0, callback=_above_one, help="Perplexity above which the artifact is a corpse."),
+    min_top1: float = typer.Option(0.05, callback=_fraction_or_zero, help="Top-1 agreement below which the artifact is a corpse."),
+    max_kld: Optional[float] = typer.Option(None, callback=_non_negative, help="Also fail when mean KLD exceeds this."),
     recipe: Optional[str] = typer.Option(None, help="The recipe it was packed from: shows predicted damage."),
     smoke: bool = typer.Option(False, help="Artifact alone, perplexity ceiling only (no reference)."),
     out: Optional[str] = typer.Option(None, help="Also write the report as JSON here."),
-    device: str = typer.Option("cpu", help="cpu or cuda[:N] for the reference."),
+    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N] for the reference."),
     runtime: Optional[str] = typer.Option(None, help="vllm to serve a compressed-tensors directory in vLLM; "
                                           "bitsandbytes to load a full-precision directory as NF4 "
                                           "(default: llama.cpp for GGUF, transformers for a directory)."),
@@ -266,6 +310,11 @@ def check_command(
     from .atomic import write_json
     from .check import check, render_check
 
+    if out:
+        from .paths import guard_output, input_paths
+
+        guard_output(out, {"the artifact": input_paths(artifact), "the reference": input_paths(reference),
+                           "the held-out text": input_paths(text), "the recipe": input_paths(recipe)})
     predicted = None
     if recipe is not None:
         from .recipes import read_recipe
@@ -286,18 +335,18 @@ def fit_command(
     model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
     vram: Optional[str] = typer.Option(None, help="The card's memory (default for the embedded model: 768MiB)."),
     context: int = typer.Option(8192, help="Context length in tokens per sequence."),
-    batch: int = typer.Option(1, help="Concurrent sequences whose KV cache must fit."),
+    batch: int = typer.Option(1, min=1, help="Concurrent sequences whose KV cache must fit."),
     kv_dtype: str = typer.Option("f16", help="KV cache dtype."),
     format: str = typer.Option("gguf", help="gguf (llama.cpp, Ollama) or compressed-tensors (vLLM)."),
     out: str = typer.Option("cardfit-out", help="Directory for every artifact of the run."),
     formats: Optional[str] = typer.Option(None, help="Formats to scan (default: Q8_0,Q4_K,Q2_K for GGUF)."),
     calibration: Optional[str] = typer.Option(None, help="Calibration text (default: bundled)."),
-    max_tokens: int = typer.Option(1024, help="Calibration tokens for the scan and data-aware rounding."),
+    max_tokens: int = typer.Option(1024, min=1, help="Calibration tokens for the scan and data-aware rounding."),
     method: str = typer.Option("rtn", help="Pack rounding: rtn/imatrix (GGUF), rtn/gptq/awq (compressed-tensors)."),
     full_check: bool = typer.Option(False, "--check", help="Also run the full check against the reference."),
     refine: bool = typer.Option(False, "--refine", help="Re-plan with measured interactions (cardfit refine; "
                                 "about 4x the scan's tokens of whole-recipe passes)."),
-    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N]."),
 ):
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit
@@ -319,8 +368,8 @@ def compare_command(
                                  "(llama.cpp's presets and cardfit's map and pack)."),
     speed: bool = typer.Option(True, help="Also measure single-stream generation tokens/s of every row."),
     text: Optional[str] = typer.Option(None, help="Held-out text (default: bundled)."),
-    max_tokens: int = typer.Option(2048, help="Held-out tokens each artifact is measured over."),
-    scan_tokens: int = typer.Option(1024, help="Calibration tokens for the map, the imatrix, GPTQ and AWQ."),
+    max_tokens: int = typer.Option(2048, min=1, help="Held-out tokens each artifact is measured over."),
+    scan_tokens: int = typer.Option(1024, min=1, help="Calibration tokens for the map, the imatrix, GPTQ and AWQ."),
 ):
     """cardfit against the shelf at equal bytes: llama.cpp presets, W4A16 RTN/GPTQ/AWQ, NF4 (markdown + JSON + plot)."""
     from .compare import compare, render_compare
@@ -341,10 +390,10 @@ def _runtime(name: Optional[str]) -> Optional[str]:
 def bench_command(
     artifact: str = typer.Argument(..., help="A .gguf artifact, or a compressed-tensors directory with --runtime vllm."),
     vram: Optional[str] = typer.Option(None, help="Also report the context (tokens) that fits this card."),
-    prompt_tokens: int = typer.Option(256, help="Prompt length for the prompt-processing speed (llama.cpp)."),
-    gen_tokens: Optional[int] = typer.Option(None, help="Tokens to generate (default: 32 llama.cpp, 64 vLLM)."),
+    prompt_tokens: int = typer.Option(256, min=1, help="Prompt length for the prompt-processing speed (llama.cpp)."),
+    gen_tokens: Optional[int] = typer.Option(None, min=1, help="Tokens to generate (default: 32 llama.cpp, 64 vLLM)."),
     runtime: str = typer.Option("llama.cpp", help="llama.cpp or vllm."),
-    batch: int = typer.Option(32, help="Concurrent requests for vLLM's batched speed."),
+    batch: int = typer.Option(32, min=1, help="Concurrent requests for vLLM's batched speed."),
     reference: Optional[str] = typer.Option(None, help="The 16-bit model for vLLM's ratio (default: embedded)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -362,29 +411,87 @@ def bench_command(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: user errors become one line on stderr and exit code 2."""
-    try:
-        app(args=argv, standalone_mode=False)
-    except CardfitError as exc:
-        if _state["debug"]:
-            raise
-        typer.echo(f"error: {exc}", err=True)
-        return 2
-    except KeyboardInterrupt:
-        typer.echo("interrupted; finished work is saved and --resume continues it", err=True)
-        return 130
-    except Exception as exc:  # click's usage errors carry their own exit code
-        import click
+    """Entry point: every user error is one line on stderr and exit 2; Ctrl-C 130, SIGTERM 143.
 
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            return 2
-        if isinstance(exc, click.exceptions.Exit):
+    Outputs are written under temporary names and renamed into place last, so the exceptions
+    that end a run here (errors and signals alike) have already removed anything half-written
+    by the time this prints its line."""
+    with _signals_raise():
+        try:
+            code = app(args=argv, standalone_mode=False, prog_name="cardfit")
+        except CardfitError as exc:
+            return _fail(exc, f"error: {exc}", 2)
+        except Terminated as exc:
+            return _fail(exc, "terminated — nothing half-written was left; rerun to continue "
+                              "(scan --resume keeps finished cells)", 143)
+        except (KeyboardInterrupt, typer.Abort) as exc:
+            return _fail(exc, INTERRUPTED, 130)
+        except typer.Exit as exc:
             return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
-            return 130
-        raise
-    return 0
+        except typer.TyperException as exc:  # the CLI stack's usage errors (typer ships its own click)
+            return _fail(exc, _usage_line(exc, argv), 2)
+        except MemoryError as exc:
+            return _fail(exc, "error: out of memory — lower --max-tokens or --batch, or set --memory-cap", 2)
+        except OSError as exc:
+            return _fail(exc, f"error: {_os_problem(exc)}", 2)
+    if code == 130:  # typer turns KeyboardInterrupt into this return value
+        typer.echo(INTERRUPTED, err=True)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+INTERRUPTED = ("interrupted — nothing half-written was left; rerun to continue "
+               "(scan --resume keeps finished cells)")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is, so the same clean-up runs as for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGTERM raises Terminated for the length of a command (only the main thread may set handlers)."""
+    def handler(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. called from a test runner's worker)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _fail(exc: BaseException, line: str, code: int) -> int:
+    if _state["debug"]:
+        raise exc
+    typer.echo(" ".join(line.split()), err=True)
+    return code
+
+
+def _usage_line(exc, argv: list[str] | None) -> str:
+    """A usage error as one line: what was wrong and where to read the usage."""
+    ctx = getattr(exc, "ctx", None)
+    command = ctx.command_path if ctx is not None else "cardfit"
+    if type(exc).__name__ == "NoArgsIsHelpError":  # bare `cardfit`: the help, then what to do
+        typer.echo(exc.format_message())
+        return "error: no command given — run one of the commands above, e.g. cardfit fit --out cardfit-out"
+    message = exc.format_message().strip().rstrip(".")
+    message = message[:1].lower() + message[1:]
+    return f"error: {message} — see '{command} --help'"
+
+
+def _os_problem(exc: OSError) -> str:
+    """The operating system's refusal in words a user can act on."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno == errno.ENOSPC:
+        return f"the disk filled up{where}; nothing half-written was left — free space or write elsewhere"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"permission denied{where} — choose a path you can write to and read from"
+    return f"{exc.strerror or exc}{where} — check the path"
 
 
 def entry() -> None:

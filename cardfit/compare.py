@@ -88,13 +88,14 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
 
     With `imatrix`, both sides round with the same importance matrix (collected over the calibration
     text): llama.cpp's presets through its quantize API, cardfit's map and pack through its own."""
-    from .atomic import write_json
+    from .atomic import write_json, write_text
     from .formats import get_format
     from .pack import pack, reserve_bytes
     from .plan import plan, uniform_recipe
     from .scan import scan
     from .shelf import FTYPES, llama_quantize
-    from .sources import open_model
+    from .paths import guard_output, input_paths, model_paths
+    from .sources import open_model, runnable
 
     for preset in presets:
         if preset not in FTYPES:
@@ -102,9 +103,11 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     for name in baselines:
         if name not in BASELINES:
             raise CardfitError(f"unknown baseline '{name}'", "known: " + ", ".join(BASELINES) + " (or none)")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     source = open_model(model)
+    out = guard_output(out, {"the model": model_paths(source), "the map": input_paths(map_path),
+                             "the held-out text": input_paths(text)}, kind="workdir")
+    source = runnable(source)
+    out.mkdir(parents=True, exist_ok=True)
     reference = model or "default"
     tag = "-imatrix" if imatrix else ""
     rounding = "imatrix" if imatrix else "rtn"
@@ -208,7 +211,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     result = {"model": source.path.name, "map": str(map_path), "rounding": rounding, "tokens": max_tokens,
               "seq_len": seq_len, "calibration_tokens": scan_tokens, "rows": rows}
     write_json(out / f"compare{tag}.json", result)
-    (out / f"compare{tag}.md").write_text(render_compare(result) + "\n", encoding="utf-8")
+    write_text(out / f"compare{tag}.md", render_compare(result) + "\n")
     from .plots import plot_compare
 
     plot_compare(rows, out / f"compare{tag}.png")

@@ -41,7 +41,7 @@ def default_model_dir() -> Path:
         from .sources.gguf_file import GgufSource
 
         GgufSource(default_gguf()).materialize(target)
-    _restore_pre_tokenizer(target)
+    restore_pre_tokenizer(target)  # caches made before materialize() restored it itself
     return target
 
 
@@ -52,7 +52,7 @@ SMOLLM_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
     {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
 
 
-def _restore_pre_tokenizer(model_dir: Path) -> None:
+def restore_pre_tokenizer(model_dir: Path) -> None:
     import json
 
     from .atomic import write_json

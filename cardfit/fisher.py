@@ -21,7 +21,7 @@ def fisher_diagonal(model_dir, chunks: torch.Tensor, device: str = "cpu", sample
     """Mean per-token diagonal Fisher of every parameter, by name (tied weights share one entry)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True).to(device)
     model.eval()
     params = {n: p for n, p in model.named_parameters()}
     fisher = {n: torch.zeros_like(p, device="cpu") for n, p in params.items()}

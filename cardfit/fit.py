@@ -21,6 +21,23 @@ from .units import format_bytes
 DEFAULT_VRAM = "768MiB"
 DEFAULT_FORMATS = {"llama.cpp": "Q8_0,Q4_K,Q2_K", "vllm": "BF16-dense,W8A16,W4A16-g128"}
 ARTIFACT = {"gguf": "model.gguf", "compressed-tensors": "model-compressed-tensors"}
+FIT_FILES = ("fit.json", "sensitivity.json", "sensitivity.png", "recipe.json", "frontier.json", "frontier.png",
+             "check.json", "report.md")
+
+
+def _read_state(path: Path) -> dict:
+    """fit.json, the run's own record; one that is not what fit writes is set aside, not trusted."""
+    if not path.exists():
+        return {}
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        state = None
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), (dict, str, type(None)))
+                                              for k in ("packed_from", "pack", "check", "refined_from")):
+        raise CardfitError(f"{path} is not a record cardfit fit wrote",
+                           "remove it (the next run re-packs and re-checks) or choose another --out")
+    return state
 
 
 def _say(log, text: str) -> None:
@@ -39,9 +56,10 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     from .pack import PACK_FORMATS, pack, reserve_bytes, render_pack
     from .plan import Problem, frontier, plan, render_recipe
     from .plots import plot_frontier, plot_sensitivity
+    from .paths import guard_output, input_paths, model_paths
     from .scan import scan
-    from .sources import open_model
-    from .atomic import write_json
+    from .sources import open_model, runnable
+    from .atomic import write_json, write_text
 
     runtime = {v: k for k, v in PACK_FORMATS.items()}.get(format)
     if runtime is None:
@@ -50,11 +68,13 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         if model is not None:
             raise CardfitError("--vram is required for a model of your own", "pass the card's memory, e.g. --vram 24GiB")
         vram = DEFAULT_VRAM
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state_path = out / "fit.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
     source = open_model(model)
+    out = guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)},
+                       kind="workdir", writes=FIT_FILES + tuple(ARTIFACT.values()))
+    state_path = out / "fit.json"
+    state = _read_state(state_path)
+    source = runnable(source)
+    out.mkdir(parents=True, exist_ok=True)
 
     _say(log, "== 1. budget")
     b = compute_budget(model, vram, context, batch, kv_dtype, runtime)
@@ -111,7 +131,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         if checked["verdict"] != "pass":
             raise CardfitError(f"{artifact} failed its check: " + "; ".join(checked["reasons"]),
                                "do not ship it; raise --vram or inspect the recipe")
-    (out / "report.md").write_text(render_report(b, sensitivity, recipe, packed, checked, artifact), encoding="utf-8")
+    write_text(out / "report.md", render_report(b, sensitivity, recipe, packed, checked, artifact))
     _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {artifact.name}, report.md, sensitivity.png, frontier.png")
     return {"out": str(out), "budget": b.to_dict(), "recipe": recipe, "pack": packed, "check": checked,
             "artifact": str(artifact)}

@@ -44,13 +44,16 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
 
     from .atomic import atomic_path
     from .calibrate import LayerCalibration
-    from .sources import open_model
+    from .paths import guard_output, input_paths, model_paths
+    from .sources import open_model, runnable
     from .text import load_text, token_chunks
 
     out = Path(out)
     if out.suffix != ".gguf":
         raise CardfitError(f"{out} does not end in .gguf", "cardfit writes llama.cpp's GGUF imatrix: --out imatrix.gguf")
     source = open_model(model)
+    guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
+    source = runnable(source)
     names = gguf_tensor_names(source)
     text, text_path = load_text(calibration)
     chunks = token_chunks(AutoTokenizer.from_pretrained(str(source.path)), text, seq_len, max_tokens,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from .errors import CardfitError
@@ -26,47 +25,11 @@ def read_map(path: str | Path) -> dict:
     return data
 
 
-def valid_damage(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-
-
 def validate_map(data, where: str = "map") -> None:
-    def bad(problem):
-        raise CardfitError(f"{where}: {problem}", "re-run cardfit scan; do not edit maps by hand")
+    """The map's schema (cardfit.schemas.SensitivityMap): one line naming the first bad field."""
+    from .schemas import SensitivityMap, validate
 
-    if not isinstance(data, dict) or data.get("cardfit_map") != 1:
-        bad("not a cardfit sensitivity map (version 1)")
-    formats = data.get("formats")
-    if not isinstance(formats, list) or not formats or not all(isinstance(f, str) for f in formats):
-        bad("formats missing")
-    groups = data.get("groups")
-    if not isinstance(groups, list) or not groups:
-        bad("groups missing")
-    seen = set()
-    for g in groups:
-        if not isinstance(g, dict) or not isinstance(g.get("name"), str):
-            bad("a group has no name")
-        if g["name"] in seen:
-            bad(f"group {g['name']} appears twice")
-        seen.add(g["name"])
-        sizes = g.get("bytes")
-        if not isinstance(sizes, dict):
-            bad(f"group {g['name']} has no bytes")
-        for f in formats:
-            size = sizes.get(f)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                bad(f"group {g['name']} has invalid bytes {size!r} for {f}")
-        cells = g.get("cells")
-        if not isinstance(cells, dict):
-            bad(f"group {g['name']} has no cells")
-        for f, cell in cells.items():
-            if f not in formats or not isinstance(cell, dict):
-                bad(f"group {g['name']} has a cell for unknown format {f!r}")
-            if not valid_damage(cell.get("damage")):
-                bad(f"group {g['name']} @ {f} has invalid damage {cell.get('damage')!r}")
-    model = data.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("fingerprint"), str):
-        bad("model fingerprint missing")
+    validate(SensitivityMap, data, where, "re-run cardfit scan; do not edit maps by hand")
 
 
 def check_map_model(data: dict, source) -> None:

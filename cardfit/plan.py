@@ -20,9 +20,9 @@ import numpy as np
 
 from .errors import CardfitError
 from .formats import RUNTIME_FORMATS, SCANNED_AS, get_format, runtime_formats
+from .schemas import RECIPE_VERSION
 from .units import format_bytes
 
-RECIPE_VERSION = 1
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import CardfitError
 from .formats import Format, get_format
-from .maps import check_map_model, read_json, valid_damage
+from .maps import check_map_model, read_json
 from .sizes import priced_tensors
 from .sources import EMBED, LM_HEAD, ModelSource
 
@@ -19,38 +19,10 @@ def read_recipe(path: str | Path) -> dict:
 
 
 def validate_recipe(data, where: str = "recipe") -> None:
-    def bad(problem):
-        raise CardfitError(f"{where}: {problem}", "re-run cardfit plan; do not edit recipes by hand")
+    """The recipe's schema (cardfit.schemas.Recipe): one line naming the first bad field."""
+    from .schemas import Recipe, validate
 
-    if not isinstance(data, dict) or data.get("cardfit_recipe") != 1:
-        bad("not a cardfit recipe (version 1)")
-    if data.get("runtime") not in ("llama.cpp", "vllm"):
-        bad(f"unknown runtime {data.get('runtime')!r}")
-    model = (data.get("map") or {}).get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("fingerprint"), str):
-        bad("model fingerprint missing")
-    groups = data.get("groups")
-    if not isinstance(groups, list) or not groups:
-        bad("groups missing")
-    seen = set()
-    for g in groups:
-        if not isinstance(g, dict) or not isinstance(g.get("name"), str) or not isinstance(g.get("format"), str):
-            bad("a group lacks a name or a format")
-        if g["name"] in seen:
-            bad(f"group {g['name']} appears twice")
-        seen.add(g["name"])
-        size = g.get("bytes")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            bad(f"group {g['name']} has invalid bytes {size!r}")
-        get_format(g["format"])  # unknown format names fail with the list of known ones
-        damage = g.get("damage")
-        if damage is None and data.get("source") == "uniform":  # a shelf preset: nothing was scanned
-            continue
-        if not valid_damage(damage):
-            bad(f"group {g['name']} has invalid damage {damage!r}")
-    budget = (data.get("budget") or {}).get("weight_budget_bytes")
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-        bad(f"invalid weight budget {budget!r}")
+    validate(Recipe, data, where, "re-run cardfit plan; do not edit recipes by hand")
 
 
 def check_model(recipe: dict, source: ModelSource) -> None:

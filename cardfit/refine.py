@@ -107,7 +107,7 @@ def refine(recipe: dict, map_data: dict, model: str | Path | None = None, calibr
         raise CardfitError("--top and --rounds must be at least 1", "e.g. --top 8 --rounds 1")
     if recipe.get("source") == "uniform" or recipe["map"].get("sha256") != map_hash(map_data):
         raise CardfitError("the recipe was not planned from this map", "refine the recipe with the map it came from")
-    source = open_model(model)
+    source = open_model(model, run=True)
     check_map_model(map_data, source)
     text, text_path = load_text(calibration)
     calib = map_data["calibration"]

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import CardfitError
-from .sources import EMBED, LM_HEAD, NORM, HfDirectorySource, ModelSource
+from .sources import EMBED, LM_HEAD, NORM, HfDirectorySource, ModelSource, runnable
 
 
 class StreamedModel:
@@ -24,11 +24,14 @@ class StreamedModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        source = runnable(source)  # a GGUF runs as its cached f16 conversion
         if not isinstance(source, HfDirectorySource):
             raise CardfitError(f"{source.path} must be a model directory to run it",
-                               "convert the GGUF with GgufSource.materialize() first")
+                               "pass a model directory, a .gguf or a cached hub id")
         self.source = source
-        self.device = torch.device(device)
+        from .quant.device import check_device
+
+        self.device = check_device(device)
         self.dtype = dtype
         config = AutoConfig.from_pretrained(str(source.path))
         config._attn_implementation = "sdpa"

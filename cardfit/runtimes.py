@@ -60,7 +60,8 @@ class TransformersRuntime:
 
         self.path = Path(path)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=torch.float32).to(device)
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=torch.float32,
+                                                              use_safetensors=True).to(device)
         except (OSError, ValueError, RuntimeError) as exc:
             raise CardfitError(f"transformers cannot load {self.path} ({exc.__class__.__name__}: {exc})",
                                "re-pack the artifact") from None
@@ -100,7 +101,7 @@ class BitsAndBytesRuntime:
                                     bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=False)
         try:
             self.model = AutoModelForCausalLM.from_pretrained(str(self.path), quantization_config=config,
-                                                              device_map=device)
+                                                              device_map=device, use_safetensors=True)
         except (OSError, ValueError, RuntimeError) as exc:
             raise CardfitError(f"bitsandbytes cannot load {self.path} ({exc.__class__.__name__}: {exc})",
                                "give a full-precision model directory") from None
@@ -193,6 +194,17 @@ class VllmRuntime:
             self._folder.cleanup()
 
 
+def _refuse_pickles(path: Path) -> None:
+    """A checkpoint directory is loaded from safetensors only: transformers would unpickle a .bin."""
+    if not any(path.glob("*.safetensors")):
+        pickles = [p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(pattern)]
+        if pickles:
+            raise CardfitError(f"{path} holds only pickle checkpoints ({', '.join(sorted(pickles)[:3])}), "
+                               "which cardfit never loads", "convert them to safetensors first, on a trusted machine")
+        raise CardfitError(f"no *.safetensors weights in {path}",
+                           "give a .gguf file or a checkpoint directory with safetensors weights")
+
+
 def open_runtime(path: str | Path, n_ctx: int = 512, device: str = "cpu", kind: str | None = None,
                  runtime: str | None = None):
     """The runtime an artifact is served by: llama.cpp for GGUF, transformers (or, asked for, vLLM)
@@ -201,6 +213,8 @@ def open_runtime(path: str | Path, n_ctx: int = 512, device: str = "cpu", kind: 
     `kind` ("gguf" or "compressed-tensors") names it when the file name cannot (a temporary name).
     """
     path = Path(path)
+    if path.is_dir():
+        _refuse_pickles(path)
     if runtime == "bitsandbytes":
         if not (path.is_dir() and (path / "config.json").exists()):
             raise CardfitError(f"bitsandbytes quantizes a full-precision model directory at load; {path} is not one",

@@ -30,10 +30,10 @@ from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
 from .heap import map_large_blocks, return_freed_memory
 from .metrics import DistanceMeter, target_nll, token_kl
-from .sources import EMBED, LM_HEAD, NORM, ModelSource, open_model
+from .schemas import MAP_VERSION
+from .sources import EMBED, LM_HEAD, NORM, ModelSource, open_model, runnable
 from .text import load_text, text_hash, token_chunks
 
-MAP_VERSION = 1
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
 LOGIT_POSITIONS = 64  # positions per logits slice in scan: 64 x vocab float32 (12 MiB at 49k tokens)
 
@@ -235,6 +235,8 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     """Measure the damage of every group at every format; returns the map (also written to `out`)."""
     from transformers import AutoTokenizer
 
+    from .paths import guard_output, input_paths, model_paths
+    from .quant.device import check_device
     from .runner import StreamedModel
 
     if method not in METHODS:
@@ -243,13 +245,16 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         raise CardfitError("the fast estimator prices RTN rounding only", "use --rounding rtn with --method fast")
     if rounding not in ROUNDINGS:
         raise CardfitError(f"unknown rounding '{rounding}'", "use " + ", ".join(ROUNDINGS))
-    if max_tokens <= 0 or seq_len <= 1:
-        raise CardfitError("--max-tokens and --seq-len must be positive", "e.g. --max-tokens 8192 --seq-len 512")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise CardfitError(f"--device {device} but torch sees no CUDA device",
-                           "install a CUDA build of torch that matches your driver, or use --device cpu")
+    if max_tokens <= 0 or seq_len <= 1 or batch <= 0:
+        raise CardfitError("--max-tokens, --seq-len and --batch must be positive",
+                           "e.g. --max-tokens 8192 --seq-len 512 --batch 4")
+    if group_by not in ("layer", "tensor"):
+        raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
+    check_device(device)
     fmts = parse_formats(formats)
     source = open_model(model)
+    guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
+    source = runnable(source)
     text, text_path = load_text(calibration)
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path))

@@ -39,7 +39,15 @@ def parse_formats(text: str | list[str]) -> list[Format]:
     names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
     if not names:
         raise CardfitError("no formats given", "pass --formats such as Q8_0,Q6_K,Q4_K,Q3_K")
-    return [get_format(n) for n in names]
+    formats, seen = [], {}
+    for name in names:
+        fmt = get_format(name)
+        if fmt.name in seen:
+            raise CardfitError(f"--formats names {fmt.name} twice ('{seen[fmt.name]}' and '{name}')",
+                               "list each format once")
+        seen[fmt.name] = name
+        formats.append(fmt)
+    return formats
 
 
 __all__ = ["FORMATS", "RUNTIME_FORMATS", "SCANNED_AS", "runtime_formats", "GGUF_TYPES", "GGML_BLOCKS", "Calibration", "Format", "GgmlFormat", "IntGroupFormat",

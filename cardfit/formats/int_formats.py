@@ -22,9 +22,22 @@ QUANTIZABLE_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_pr
                         "dense.weight", "fc1.weight", "fc2.weight")
 
 
+# The same matrices under llama.cpp's names (gguf-py's TENSOR_NAMES for ATTN_Q/K/V, ATTN_QKV, ATTN_OUT,
+# FFN_GATE/UP/DOWN; a fused gate_up is ffn_up there), so a .gguf's header prices as its directory does.
+GGUF_QUANTIZABLE_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight",
+                             "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
 def is_decoder_linear(name: str, shape: tuple[int, ...]) -> bool:
-    """Linear weights inside decoder layers: what `targets="Linear", ignore=["lm_head"]` quantizes."""
-    return len(shape) == 2 and ".layers." in f".{name}" and name.endswith(QUANTIZABLE_SUFFIXES)
+    """Linear weights inside decoder layers: what `targets="Linear", ignore=["lm_head"]` quantizes.
+
+    Hugging Face names (`model.layers.N.self_attn.q_proj.weight`) and llama.cpp's (`blk.N.attn_q.weight`)
+    name the same matrices."""
+    if len(shape) != 2:
+        return False
+    if name.startswith("blk."):
+        return name.endswith(GGUF_QUANTIZABLE_SUFFIXES)
+    return ".layers." in f".{name}" and name.endswith(QUANTIZABLE_SUFFIXES)
 
 
 class DenseFormat(Format):

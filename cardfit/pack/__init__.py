@@ -27,8 +27,9 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
 
     `imatrix` is a llama.cpp importance matrix file (GGUF) to round with instead of collecting one."""
     from ..atomic import atomic_directory, atomic_path
+    from ..paths import guard_output, input_paths, model_paths
     from ..recipes import check_model, read_recipe, tensor_formats, validate_recipe
-    from ..sources import open_model
+    from ..sources import open_model, runnable
 
     if isinstance(recipe, dict):
         validate_recipe(recipe)
@@ -48,10 +49,14 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
     if method not in PACK_METHODS[fmt]:
         raise CardfitError(f"--method {method} does not apply to {fmt}",
                            f"{fmt} takes --method " + " or ".join(PACK_METHODS[fmt]))
-    out = Path(out)
+    source = open_model(model)
+    out = guard_output(out, {"the model": model_paths(source),
+                             "the recipe": [] if isinstance(recipe, dict) else input_paths(recipe),
+                             "the calibration text": input_paths(calibration), "the imatrix": input_paths(imatrix)},
+                       kind="file" if fmt == "gguf" else "dir")
     if out.exists() and not force:
         raise CardfitError(f"{out} exists", "pass --force to replace it, or choose another --out")
-    source = open_model(model)
+    source = runnable(source)
     check_model(data, source)
     formats = tensor_formats(data, source)
     budget = int(data["budget"]["weight_budget_bytes"])
@@ -143,7 +148,10 @@ def reserve_bytes(source, runtime: str, scratch_dir: str | Path | None = None) -
         return 0
     from ..formats import get_format
     from ..sizes import priced_tensors
+    from ..sources import runnable
     from .gguf_pack import GgufPlan, header_bytes
+
+    source = runnable(source)  # the header cardfit writes carries the runnable model's tokenizer
 
     any_format = get_format("Q8_0")  # the tensor table's size does not depend on the types chosen
     plan = GgufPlan(source, {t.name: any_format for t in priced_tensors(source)})

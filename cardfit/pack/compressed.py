@@ -11,6 +11,7 @@ written per layer group, so only one group is resident while packing.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -143,7 +144,7 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
         if calibration is not None and layer is not None:
             calibration.advance(layer, effective)  # GPTQ/AWQ: the next layer calibrates on this layer's output
         file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: v.contiguous() for n, v in shard.items()}, str(out_dir / file), metadata={"format": "pt"})
+        _save_shard(shard, out_dir / file)
         for n, v in shard.items():
             weight_map[n] = file
             total += v.numel() * v.element_size()
@@ -160,3 +161,14 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     return {"file_bytes": size, "tensor_bytes": total, "tensors": len(weight_map), "warnings": []}
 
+
+def _save_shard(shard: dict, path: Path) -> None:
+    """safetensors' writer reports a full disk as its own error type; it is the OS's ENOSPC all the same."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file({n: v.contiguous() for n, v in shard.items()}, str(path), metadata={"format": "pt"})
+    except Exception as exc:
+        if "os error 28" in str(exc) or "No space left" in str(exc):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+        raise

@@ -39,6 +39,15 @@ class ArchSpec:
             raise CardfitError(f"GGUF packing does not support architecture '{model_type}'",
                                "supported for GGUF: " + ", ".join(sorted(GGUF_ARCH)) +
                                "; use --format compressed-tensors for others")
+        from ..architecture import geometry_from_config
+
+        geometry_from_config(config)  # types and ranges of every key read below (cheap, and idempotent)
+        prefix = "text_config." if cfg is not config else ""
+        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        for key in needed + (("sliding_window",) if arch == "gemma3" else ()):
+            if cfg.get(key) is None:
+                raise CardfitError(f"config.json lacks {prefix}{key}, which llama.cpp's {arch} loader needs",
+                                   "restore the model's original config.json")
         spec = cls(arch, cfg)
         spec.refuse_what_llama_cpp_computes_differently()
         return spec
@@ -163,7 +172,7 @@ class ArchSpec:
         explicit = (self.rope_scaling or {}).get("attention_factor")
         if explicit is not None:
             return float(explicit)
-        scale = int(self.config["max_position_embeddings"]) / self.original_context
+        scale = int(self.config.get("max_position_embeddings") or self.original_context) / self.original_context
         return math.sqrt(1 + math.log(scale) / math.log(self.original_context)) if scale > 1.0 else 1.0
 
     def extra_tensors(self) -> dict[str, np.ndarray]:

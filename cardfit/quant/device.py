@@ -12,6 +12,24 @@ import torch
 from ..errors import CardfitError
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The compute device a user named (cpu, cuda, cuda:N), refused in one line when torch cannot use it."""
+    if isinstance(device, torch.device):
+        return device
+    text = str(device).strip().lower()
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise CardfitError(f"unknown --device '{device}'", "use --device cpu, cuda or cuda:N")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise CardfitError(f"--device {device} but torch {torch.__version__} sees no CUDA device",
+                               "install a CUDA build of torch that matches your driver, or use --device cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise CardfitError(f"--device {device} but torch sees {torch.cuda.device_count()} CUDA device(s)",
+                               f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return torch.device(text)
+
+
 class DeviceArena:
     def __init__(self, device: str | torch.device = "cpu", cap_bytes: int | None = None):
         self.device = torch.device(device)

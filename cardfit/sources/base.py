@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..architecture import ModelGeometry
+from ..errors import CardfitError
 
 EMBED, NORM, LM_HEAD, OTHER = "embed", "norm", "lm_head", "other"
 
@@ -59,6 +60,41 @@ def group_of(name: str) -> str:
     return OTHER
 
 
+# Tensors that are not the language model's decoder: vision/audio towers, multi-token-prediction heads.
+_NOT_DECODER = ("vision", "visual", "multi_modal", "audio")
+_MTP = re.compile(r"(?:^|\.)mtp\.")
+# Integer dtypes of packed (pre-quantized) tensors, whose stored shape is not the logical one.
+_PACKED_DTYPES = {"I8", "U8", "I16", "I32", "I64", "BOOL"}
+# Families whose projections are plain (out, in) matrices of the config's widths. MoE experts and
+# gated / latent attention (Qwen3-Next, DeepSeek) have other shapes and are not checked here.
+_ATTENTION_CHECKED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gemma3_text",
+                      "smollm3", "granite", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe"}
+_MLP_CHECKED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gemma3_text",
+                "smollm3", "granite", "olmo2"}
+# (HF suffix, GGUF suffix) -> role
+_PROJECTIONS = {
+    "self_attn.q_proj.weight": "q", "attn_q.weight": "q",
+    "self_attn.k_proj.weight": "k", "attn_k.weight": "k",
+    "self_attn.v_proj.weight": "v", "attn_v.weight": "v",
+    "self_attn.o_proj.weight": "o", "attn_output.weight": "o",
+    "self_attn.qkv_proj.weight": "qkv", "attn_qkv.weight": "qkv",
+    "mlp.gate_proj.weight": "gate", "ffn_gate.weight": "gate",
+    "mlp.up_proj.weight": "up", "ffn_up.weight": "ffn_up",
+    "mlp.down_proj.weight": "down", "ffn_down.weight": "down",
+    "mlp.gate_up_proj.weight": "gate_up",
+}
+
+
+def _decoder_tensor(name: str) -> bool:
+    return not any(marker in name for marker in _NOT_DECODER) and not _MTP.search(name)
+
+
+def _span(indices: list[int]) -> str:
+    if not indices:
+        return "none"
+    return f"layers.{indices[0]}" if len(indices) == 1 else f"layers.{indices[0]}..layers.{indices[-1]}"
+
+
 def group_sort_key(group: str) -> tuple:
     if group == EMBED:
         return (0, 0)
@@ -79,6 +115,86 @@ class ModelSource:
 
     def read(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         raise NotImplementedError
+
+    def check_against_config(self) -> None:
+        """The weights are the model config.json describes: embedding rows, layer count, projection shapes.
+
+        Headers only (names and shapes), so a model whose config and weights disagree is refused when
+        it is opened, not minutes into a scan as a shape traceback. Every source calls this at open.
+
+        Embedding and output rows must equal vocab_size exactly: transformers builds the embedding
+        with vocab_size rows and refuses a checkpoint of any other shape, and llama.cpp takes its
+        vocabulary size from those rows. Vocabularies padded past the tokenizer (Qwen, Phi-3) state
+        the padded size in vocab_size itself, so they pass; the tokenizer may be shorter.
+        Layers stored past num_hidden_layers are allowed only for num_nextn_predict_layers (DeepSeek's
+        multi-token-prediction layer); vision/audio towers and `mtp.` heads are not the decoder's.
+        """
+        g = self.geometry
+        where, keys = g.source, g.keys
+        fix = "use the config.json that came with these weights (or re-download the model)"
+        decoder = [t for t in self.tensors() if _decoder_tensor(t.name)]
+
+        indices = sorted({int(t.group.split(".")[1]) for t in decoder if t.group.startswith("layers.")})
+        nextn = g.raw.get("num_nextn_predict_layers") or 0
+        missing = [i for i in range(g.num_layers) if i not in set(indices)]
+        beyond = [i for i in indices if i >= g.num_layers + nextn]
+        if missing or beyond:
+            got = f"{len(indices)} decoder layers ({_span(indices)})"
+            detail = f"; missing {_span(missing[:1])}" if missing and indices else ""
+            raise CardfitError(f"{where} has {keys.get('num_layers', 'num_hidden_layers')}={g.num_layers} "
+                               f"but the weights hold {got}{detail}", fix)
+
+        for t in decoder:
+            if len(t.shape) != 2 or t.dtype in _PACKED_DTYPES or t.group not in (EMBED, LM_HEAD):
+                continue
+            role = "embedding" if t.group == EMBED else "output head"
+            if t.shape[0] != g.vocab_size:
+                raise CardfitError(f"{where} has {keys.get('vocab', 'vocab_size')}={g.vocab_size} but the "
+                                   f"{role} {t.name} has {t.shape[0]} rows", fix)
+            if t.shape[1] != g.hidden_size:
+                raise CardfitError(f"{where} has {keys.get('hidden', 'hidden_size')}={g.hidden_size} but the "
+                                   f"{role} {t.name} is {t.shape[1]} wide", fix)
+
+        if self.config.get("quantization_config") is not None:
+            return  # pre-quantized checkpoints store packed projections of other shapes
+        for t in decoder:
+            if len(t.shape) != 2 or t.dtype in _PACKED_DTYPES or not t.group.startswith("layers."):
+                continue
+            role = next((r for suffix, r in _PROJECTIONS.items() if t.name.endswith("." + suffix)), None)
+            if role is None:
+                continue
+            expected = self._projection_shape(role)
+            if expected is not None and tuple(t.shape) != expected[0]:
+                raise CardfitError(f"{where}: {t.name} is {t.shape[0]}x{t.shape[1]}, but {expected[1]} "
+                                   f"make it {expected[0][0]}x{expected[0][1]}", fix)
+
+    def _projection_shape(self, role: str) -> tuple[tuple[int, int], str] | None:
+        """(expected (out, in) shape, the config keys that set it) of one projection, or None if unchecked."""
+        g = self.geometry
+        k = g.keys
+        hidden, hk = g.hidden_size, f"{k.get('hidden', 'hidden_size')}={g.hidden_size}"
+        if role in ("q", "k", "v", "o", "qkv"):
+            if g.model_type not in _ATTENTION_CHECKED or g.mla_latent is not None:
+                return None
+            hd = f"{k.get('head_dim', 'head_dim')}={g.head_dim_k}"
+            q = g.num_heads * g.head_dim_k
+            kv = g.num_kv_heads * g.head_dim_k
+            qk = f"{k.get('heads', 'num_attention_heads')}={g.num_heads}"
+            kvk = f"{k.get('kv_heads', 'num_key_value_heads')}={g.num_kv_heads}"
+            return {"q": ((q, hidden), f"{qk}, {hd}, {hk}"),
+                    "k": ((kv, hidden), f"{kvk}, {hd}, {hk}"),
+                    "v": ((kv, hidden), f"{kvk}, {hd}, {hk}"),
+                    "o": ((hidden, q), f"{qk}, {hd}, {hk}"),
+                    "qkv": ((q + 2 * kv, hidden), f"{qk}, {kvk}, {hd}, {hk}")}[role]
+        if g.model_type not in _MLP_CHECKED or g.intermediate_size is None:
+            return None
+        inter = g.intermediate_size
+        ik = f"{k.get('intermediate', 'intermediate_size')}={inter}"
+        if role == "gate_up" or (role == "ffn_up" and g.model_type == "phi3"):  # Phi-3 keeps gate and up fused,
+            return (2 * inter, hidden), f"{ik}, {hk}"  # in llama.cpp's ffn_up too
+        role = "up" if role == "ffn_up" else role
+        return {"gate": ((inter, hidden), f"{ik}, {hk}"), "up": ((inter, hidden), f"{ik}, {hk}"),
+                "down": ((hidden, inter), f"{ik}, {hk}")}[role]
 
     @property
     def tied_embeddings(self) -> bool:

@@ -1,7 +1,20 @@
-"""A GGUF file as a model source: tensors listed from its header, dequantized one at a time by gguf-py."""
+"""A GGUF file as a model source: tensors listed from its header, dequantized one at a time by gguf-py.
+
+Pricing (budget, sizes) reads the header only. Every stage that runs the model (scan, plan's and
+pack's GGUF header, imatrix, check's reference, refine, fit, compare) runs `runnable()`: the file
+converted once, by transformers' GGUF loader, into an f16 Hugging Face directory in the cardfit
+cache, keyed by the file's content hash, so a changed file is converted again and an unchanged one
+never is. That directory is the model's identity in maps and recipes (`fingerprint`), so a map
+scanned from the .gguf and one scanned from its converted directory are the same map.
+"""
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+import os
+import sys
 from functools import cached_property
 from pathlib import Path
 
@@ -23,16 +36,111 @@ def _reader(path: Path):
                            "re-download the file or convert the model again") from None
 
 
-def gguf_config(path: Path) -> dict:
-    """The transformers config a GGUF's metadata implies (transformers reads only the header here)."""
+def _field(reader, key: str):
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def transformers_config(path: Path, reader=None):
+    """The transformers config a GGUF's metadata implies (transformers reads only the header here),
+    corrected where transformers' mapping drops what the header states: the head size (Qwen 3's
+    `key_length`; transformers keeps its class default) and the absence of a sliding window (a
+    Mistral GGUF is llama.cpp's `llama`, full attention, where transformers assumes Mistral's 4096)."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise CardfitError(f"cannot derive a model config from {path.name} ({exc.__class__.__name__}: {exc})",
-                           "use a GGUF of a supported architecture or the original model directory") from None
-    return config.to_dict()
+                           "use a GGUF of an architecture transformers reads, or the original model directory") from None
+    reader = reader or _reader(path)
+    arch = _field(reader, "general.architecture")
+    key_length, value_length = _field(reader, f"{arch}.attention.key_length"), _field(reader, f"{arch}.attention.value_length")
+    if (getattr(config, "head_dim", None) is not None and isinstance(key_length, int) and key_length == value_length
+            and "kv_lora_rank" not in config.to_dict()):
+        config.head_dim = key_length
+    layer_types = getattr(config, "layer_types", None) or []
+    if (getattr(config, "sliding_window", None) is not None and _field(reader, f"{arch}.attention.sliding_window") is None
+            and not any("sliding" in str(t) for t in layer_types)):
+        config.sliding_window = None
+    if arch == "llama" and config.model_type == "mistral":
+        # transformers names a `llama` GGUF whose name says Mistral "mistral", then finds no gguf-py
+        # architecture of that name to load its tensors by; without a window it is exactly a Llama.
+        values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "sliding_window", "architectures")}
+        config = AutoConfig.for_model("llama", **values)
+    return config
+
+
+def gguf_config(path: Path, reader=None) -> dict:
+    """`transformers_config` as the plain dict every source carries."""
+    return transformers_config(path, reader).to_dict()
+
+
+def _derived_tensor_names() -> frozenset[str]:
+    """Tensors llama.cpp's converter computes from the config (rotary frequency factors): not weights
+    of the checkpoint, dropped by transformers' loader, so not priced as the model's."""
+    import gguf
+
+    kinds = (gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)
+    return frozenset(gguf.TENSOR_NAMES[k] + ".weight" for k in kinds)
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of the file's bytes, remembered per (path, size, mtime, inode) in the cache so an
+    unchanged multi-GB file is hashed once, and an edited or replaced one is hashed again."""
+    from ..atomic import write_json
+    from ..default_model import cache_root
+
+    path = path.resolve()
+    st = path.stat()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    index_path = cache_root() / "gguf" / "hashes.json"
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        if not isinstance(index, dict):
+            index = {}
+    except (OSError, ValueError):
+        index = {}
+    if isinstance(index.get(key), str):
+        return index[key]
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(block)
+    value = digest.hexdigest()
+    index = {k: v for k, v in index.items() if not k.startswith(f"{path}|")}  # the file's older versions
+    index[key] = value
+    try:
+        write_json(index_path, index)
+    except (CardfitError, OSError):
+        pass  # a read-only cache only costs re-hashing next time
+    return value
+
+
+def converted_dir(path: Path) -> Path:
+    """Where the f16 conversion of this GGUF's exact content lives in the cache."""
+    from ..default_model import cache_root
+
+    return cache_root() / "gguf" / f"{path.stem}-{content_hash(path)[:16]}-f16"
+
+
+def converted_source(path: str | Path, source: "GgufSource | None" = None):
+    """The GGUF at `path` as the f16 Hugging Face directory it converts to: made once per content
+    (one line on stderr says so), atomically, and found again by content hash without reading the
+    header. `source` is the file's GgufSource when the caller has one open already."""
+    from .hf_dir import HfDirectorySource
+
+    path = Path(path)
+    if not path.is_file():
+        raise CardfitError(f"no GGUF file at {path}", "check the path")
+    target = converted_dir(path)
+    if not (target / "config.json").exists():
+        source = source or GgufSource(path)
+        print(f"converting {path.name} to an f16 model directory, once: {target}", file=sys.stderr, flush=True)
+        source.materialize(target)
+    converted = HfDirectorySource(target)
+    converted.origins = (path,)  # what it was made from: outputs must not overwrite it either
+    return converted
 
 
 class GgufSource(ModelSource):
@@ -41,16 +149,38 @@ class GgufSource(ModelSource):
         if not self.path.is_file():
             raise CardfitError(f"no GGUF file at {self.path}", "check the path")
         self._gguf = _reader(self.path)
-        self.config = gguf_config(self.path)
+        self._hf_config = transformers_config(self.path, self._gguf)
+        self.config = self._hf_config.to_dict()
         self.geometry = geometry_from_config(self.config, source=str(self.path))
+        self.check_against_config()
 
     @cached_property
     def _by_name(self):
         return {t.name: t for t in self._gguf.tensors}
 
     def tensors(self) -> list[TensorInfo]:
+        derived = _derived_tensor_names()
         return [TensorInfo(t.name, tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name,
-                           int(t.n_bytes), group_of(t.name)) for t in self._gguf.tensors]
+                           int(t.n_bytes), group_of(t.name)) for t in self._gguf.tensors if t.name not in derived]
+
+    @property
+    def stored_bytes(self) -> int:
+        """Every tensor the file holds, the converter's rotary factors included."""
+        return sum(int(t.n_bytes) for t in self._gguf.tensors)
+
+    def metadata(self, key: str):
+        field = self._gguf.get_field(key)
+        return None if field is None else field.contents()
+
+    def runnable(self):
+        """This model as an f16 Hugging Face directory source, converted once into the cache."""
+        if "_runnable" not in self.__dict__:
+            self.__dict__["_runnable"] = converted_source(self.path, self)
+        return self.__dict__["_runnable"]
+
+    def fingerprint(self) -> str:
+        """The converted directory's fingerprint: the model the stages run and maps record."""
+        return self.runnable().fingerprint()
 
     def read(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         import gguf
@@ -70,6 +200,7 @@ class GgufSource(ModelSource):
 
         transformers' GGUF loader undoes llama.cpp's converter transforms (Q/K rotary
         permutation, Gemma's norm offset), so the result computes what the GGUF computes.
+        The directory appears whole or not at all.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -77,12 +208,21 @@ class GgufSource(ModelSource):
 
         out_dir = Path(out_dir)
         with atomic_directory(out_dir) as tmp:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(self.path.parent), gguf_file=self.path.name, dtype=dtype,
-                quantization_config=GgufConfig(dequantize=True))
-            if getattr(model, "hf_quantizer", None) is not None:
-                model = model.dequantize(dtype=dtype)
-            model.save_pretrained(tmp, safe_serialization=True)
-            AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name).save_pretrained(tmp)
-            del model
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(self.path.parent), gguf_file=self.path.name, dtype=dtype,
+                    config=copy.deepcopy(self._hf_config), quantization_config=GgufConfig(dequantize=True))
+                if getattr(model, "hf_quantizer", None) is not None:
+                    model = model.dequantize(dtype=dtype)
+                model.save_pretrained(tmp, safe_serialization=True)
+                del model
+                AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name).save_pretrained(tmp)
+            except Exception as exc:  # transformers' GGUF support covers some architectures and tokenizers
+                raise CardfitError(f"transformers cannot convert {self.path.name} to a model it runs "
+                                   f"({exc.__class__.__name__}: {exc})",
+                                   "use the original model directory (safetensors) instead of the GGUF") from None
+            if self.metadata("tokenizer.ggml.pre") == "smollm":
+                from ..default_model import restore_pre_tokenizer
+
+                restore_pre_tokenizer(tmp)
         return out_dir

@@ -23,6 +23,7 @@ class HfDirectorySource(ModelSource):
         self.geometry = geometry_from_config(self.config, source=str(self.path / "config.json"))
         self._handles: dict[Path, object] = {}
         self._shards = self._find_shards()
+        self.check_against_config()  # headers only: a config that is not these weights' fails here
 
     def _find_shards(self) -> dict[str, Path]:
         """tensor name -> shard file; validated so that a missing shard fails here, not mid-scan."""

@@ -1,0 +1,83 @@
+"""Outputs never clobber inputs: every command checks its `--out` against what it reads, before work.
+
+`--force` replaces an earlier output; it must never replace the model, the recipe, the map or
+any other input (an artifact renamed over `recipe.json` or a model's weights destroys what the
+user came with). The check runs before any work, so a refusal costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import CardfitError
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a == b:
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return parent in child.parents
+
+
+def input_paths(path: str | Path | None) -> list[Path]:
+    """An input as the paths it occupies: the path itself, and for a directory every entry in it
+    (a hub snapshot's files are links into its blob store, so they are resolved too)."""
+    if path is None:
+        return []
+    path = Path(path).expanduser()
+    out = [path.absolute(), path.resolve()]
+    if path.is_dir():
+        for entry in path.iterdir():
+            out += [entry.absolute(), entry.resolve()]
+    return out
+
+
+def model_paths(source) -> list[Path]:
+    """What a model source reads: its directory (or file) and, for a materialized GGUF, the GGUF too."""
+    paths = input_paths(source.path)
+    for extra in getattr(source, "origins", ()):
+        paths += input_paths(extra)
+    return paths
+
+
+def guard_output(out: str | Path, inputs: dict[str, list[Path]], kind: str = "file", flag: str = "--out",
+                 writes: tuple[str, ...] = ()) -> Path:
+    """Refuse `out` when it is, holds or lies inside any input, or is the wrong kind of thing.
+
+    `inputs` maps a label ("the model", "the recipe") to the paths it occupies; `kind` is
+    "file", "dir" (a directory replaced whole) or "workdir" (a directory the command writes the
+    files named in `writes` into, leaving the rest alone)."""
+    given = Path(out).expanduser()
+    target = given.absolute()
+    resolved = given.resolve()
+    if kind == "file" and given.is_dir():
+        raise CardfitError(f"{flag} {out} is a directory, and a file is written there",
+                           f"name a file, e.g. {flag} {given / 'out'}")
+    if kind in ("dir", "workdir") and given.exists() and not given.is_dir():
+        raise CardfitError(f"{flag} {out} is a file, and a directory is written there",
+                           f"name a directory, e.g. {flag} {given.with_suffix('')}-out")
+    for label, paths in inputs.items():
+        for path in paths:
+            for candidate in (target, resolved):
+                if _same(candidate, path):
+                    raise CardfitError(f"{flag} {out} is {label}, which this command reads",
+                                       f"write the output elsewhere ({flag} another path)")
+                if _inside(candidate, path) and path.is_dir():
+                    raise CardfitError(f"{flag} {out} lies inside {label} ({path})",
+                                       f"write the output outside it ({flag} another path)")
+                if kind != "workdir" and _inside(path, candidate):
+                    raise CardfitError(f"{flag} {out} holds {label} ({path}), which writing it would destroy",
+                                       f"write the output elsewhere ({flag} another path)")
+        for name in writes:
+            for candidate in (target / name, resolved / name):
+                if any(_same(candidate, path) for path in paths):
+                    raise CardfitError(f"{flag} {out} would overwrite {label} ({candidate.name})",
+                                       f"write the output elsewhere ({flag} another path)")
+    return given
