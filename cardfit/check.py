@@ -38,8 +38,7 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
     runtime = open_runtime(artifact, n_ctx=seq_len, device=device, kind=kind, runtime=runtime)
     try:
         chunks = _chunks(runtime, body, text_path, seq_len, max_tokens, reference, tokenizer_dir)
-        if hasattr(runtime, "prepare"):  # vLLM: every chunk in one engine start
-            runtime.prepare(chunks)
+        runtime.prepare(chunks)  # vLLM scores every chunk in one engine start
         meter = DistanceMeter()
         finite = True
         if smoke:

@@ -63,7 +63,7 @@ def budget_command(
                                               "(default: the embedded model)."),
     batch: int = typer.Option(1, min=1, help="Concurrent sequences whose KV cache must fit."),
     kv_dtype: str = typer.Option("f16", help="KV cache dtype: f16, bf16, fp8 (vLLM), q8_0, q4_0 (llama.cpp)."),
-    runtime: str = typer.Option("llama.cpp", help="llama.cpp or vllm."),
+    runtime: str = typer.Option("llama.cpp", help="The runtime target: llama.cpp, ollama, vllm or vllm-cpu."),
     cuda_context: Optional[str] = typer.Option(None, help="Override the CUDA context size of the overhead model."),
     gpu_memory_utilization: float = typer.Option(0.9, callback=_fraction, help="vLLM's gpu_memory_utilization."),
     flash_attention: bool = typer.Option(True, help="llama.cpp flash attention (off adds the K·Q buffer)."),
@@ -381,9 +381,12 @@ def compare_command(
 
 
 def _runtime(name: Optional[str]) -> Optional[str]:
-    if name not in (None, "llama.cpp", "transformers", "vllm", "bitsandbytes"):
-        raise CardfitError(f"unknown --runtime '{name}'", "use --runtime vllm, transformers, llama.cpp or bitsandbytes")
-    return None if name in ("llama.cpp", "transformers") else name
+    """--runtime of check: any target check can run an artifact in (cardfit.targets)."""
+    from .targets import names
+
+    if name is not None and name not in names(loads=True):
+        raise CardfitError(f"unknown --runtime '{name}'", "use --runtime " + ", ".join(names(loads=True)))
+    return name
 
 
 @app.command("bench")
@@ -392,20 +395,24 @@ def bench_command(
     vram: Optional[str] = typer.Option(None, help="Also report the context (tokens) that fits this card."),
     prompt_tokens: int = typer.Option(256, min=1, help="Prompt length for the prompt-processing speed (llama.cpp)."),
     gen_tokens: Optional[int] = typer.Option(None, min=1, help="Tokens to generate (default: 32 llama.cpp, 64 vLLM)."),
-    runtime: str = typer.Option("llama.cpp", help="llama.cpp or vllm."),
+    runtime: str = typer.Option("llama.cpp", help="llama.cpp (or ollama) for a .gguf, vllm or vllm-cpu for a "
+                                "compressed-tensors directory."),
     batch: int = typer.Option(32, min=1, help="Concurrent requests for vLLM's batched speed."),
     reference: Optional[str] = typer.Option(None, help="The 16-bit model for vLLM's ratio (default: embedded)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Serving cost: load time, memory, tokens/s, context that fits (llama.cpp), or the seed's vLLM table."""
     from .bench import bench, bench_vllm, render_bench, render_bench_vllm
+    from .targets import get_target, names
 
-    if runtime == "vllm":
+    target = get_target(runtime)
+    if target.artifact == "compressed-tensors" and target.overhead_terms is not None:  # a vLLM build
         result = bench_vllm(artifact, vram, reference, gen_tokens or 64, batch)
         typer.echo(json.dumps(result, indent=2) if as_json else render_bench_vllm(result))
         return
-    if runtime != "llama.cpp":
-        raise CardfitError(f"unknown --runtime '{runtime}'", "use --runtime llama.cpp or --runtime vllm")
+    if target.artifact != "gguf":
+        raise CardfitError(f"cardfit bench does not measure {runtime}",
+                           "use --runtime " + ", ".join(t for t in names(budget=True)))
     result = bench(artifact, vram, prompt_tokens, gen_tokens or 32)
     typer.echo(json.dumps(result, indent=2) if as_json else render_bench(result))
 

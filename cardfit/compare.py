@@ -7,10 +7,18 @@ NF4 as transformers loads it. For each size on the shelf cardfit plans the least
 recipe whose whole file is no larger, packs it, and every artifact runs in its own runtime
 against the full-precision reference over the same held-out tokens. The F16 GGUF is measured
 too: it is the floor the runtime itself adds (llama.cpp's arithmetic against the reference's).
+
+A rerun into the same `out` reuses what it already made — the F16 GGUF, the imatrix, the map, the
+shelf presets, cardfit's packed files, the W4A16 checkpoints — only when `compare-state.json`
+records that file under the key this run would make it with (the model, the calibration text and
+every setting that shapes its bytes); another model or setting re-makes it. Measurements are
+never reused: every row is measured afresh.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -23,6 +31,70 @@ DEFAULT_MAP_FORMATS = "Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K"
 BASELINES = {"rtn": "W4A16-g128 RTN", "gptq": "W4A16-g128 GPTQ", "awq": "W4A16-g128 AWQ",
              "nf4": "bitsandbytes NF4"}
 DEFAULT_BASELINES = tuple(BASELINES)
+# What each cached artifact in --out was made from; a rerun reuses a file only when its key is equal.
+STATE = "compare-state.json"
+STATE_VERSION = 1
+
+
+def model_identity(source) -> dict:
+    """The model as cached artifacts depend on it: its fingerprint (config and tensor index) and the
+    size and modification time of every file it reads, so weights re-saved under the same config —
+    another seed, a fine-tune — count as another model without reading them all back."""
+    path = Path(source.path)
+    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")) if path.is_dir() else [path]
+    stats = [(p.name, p.stat()) for p in files]  # stat() follows a hub snapshot's links to its blobs
+    return {"fingerprint": source.fingerprint(), "files": [[name, st.st_size, st.st_mtime_ns] for name, st in stats]}
+
+
+def artifact_key(artifact: str, **made_from) -> str:
+    """The one key of a cached artifact: sha256 of its kind and everything that determines its bytes."""
+    blob = json.dumps({"artifact": artifact, **made_from}, sort_keys=True, default=str)
+    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+
+
+class ArtifactCache:
+    """`compare-state.json` in `out`: file name -> the key it was made with. A file is reused only when
+    it exists and its recorded key equals the one asked for; anything else (no record, another model
+    or setting, an unreadable record) re-makes it. A key is dropped before its file is re-made and
+    recorded only once the new file is in place, so an interrupted re-make is never taken as done."""
+
+    def __init__(self, out: Path):
+        self.path = out / STATE
+        self.keys: dict[str, str] = {}
+        try:
+            state = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            state = None
+        if isinstance(state, dict) and state.get("cardfit_compare_state") == STATE_VERSION:
+            artifacts = state.get("artifacts")
+            if isinstance(artifacts, dict):
+                self.keys = {k: v for k, v in artifacts.items() if isinstance(k, str) and isinstance(v, str)}
+
+    def fresh(self, path: Path, key: str) -> bool:
+        return path.exists() and self.keys.get(path.name) == key
+
+    def forget(self, path: Path) -> None:
+        if self.keys.pop(path.name, None) is not None:
+            self._write()
+
+    def record(self, path: Path, key: str) -> None:
+        self.keys[path.name] = key
+        self._write()
+
+    def _write(self) -> None:
+        from .atomic import write_json
+
+        write_json(self.path, {"cardfit_compare_state": STATE_VERSION, "artifacts": self.keys})
+
+    def ensure(self, path: Path, key: str, make) -> bool:
+        """Reuse `path` if it was made with `key`; otherwise `make()` it (atomically, over a stale one)
+        and record the key. Returns whether it was made."""
+        if self.fresh(path, key):
+            return False
+        self.forget(path)
+        make()
+        self.record(path, key)
+        return True
 
 
 def _measure(path: Path, reference, text, max_tokens: int, seq_len: int, runtime: str | None = None) -> dict:
@@ -79,6 +151,23 @@ def llama_imatrix_values(path: Path, source) -> dict:
     return {names[hf]: means.numpy() for hf, means in ImatrixFile(path, source).means.items()}
 
 
+def llama_cpp_version() -> str | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return getattr(llama_cpp, "__version__", None)
+
+
+def _quantize_atomically(f16: Path, out: Path, preset: str, imatrix: dict | None) -> None:
+    """llama.cpp's quantize into a temporary file renamed over `out`: a stale or half-written preset never stays."""
+    from .atomic import atomic_path
+    from .shelf import llama_quantize
+
+    with atomic_path(out) as tmp:
+        llama_quantize(f16, tmp, preset, imatrix=imatrix)
+
+
 def compare(model: str | Path | None = None, out: str | Path = "compare-out", map_path: str | Path | None = None,
             presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, text: str | Path | None = None,
             max_tokens: int = 2048, seq_len: int = 512, scan_tokens: int = 1024, progress: bool = True,
@@ -93,9 +182,10 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     from .pack import pack, reserve_bytes
     from .plan import plan, uniform_recipe
     from .scan import scan
-    from .shelf import FTYPES, llama_quantize
+    from .shelf import FTYPES
     from .paths import guard_output, input_paths, model_paths
     from .sources import open_model, runnable
+    from .text import load_text, text_hash
 
     for preset in presets:
         if preset not in FTYPES:
@@ -111,15 +201,31 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     reference = model or "default"
     tag = "-imatrix" if imatrix else ""
     rounding = "imatrix" if imatrix else "rtn"
+    cache = ArtifactCache(out)
+    # Everything a cached file's bytes depend on: the model, and the calibration text scan, imatrix and
+    # the W4A16 roundings read (the bundled one; the held-out `text` only feeds measurements, never cached).
+    made_from = {"model": model_identity(source), "calibration": text_hash(load_text(None)[0])}
+    calibrated = {**made_from, "tokens": scan_tokens, "seq_len": seq_len}
     imatrix_file = out / "imatrix.gguf" if imatrix else None
-    if imatrix and not imatrix_file.exists():
+    imatrix_key = artifact_key("imatrix", **calibrated) if imatrix else None
+    if imatrix:
         from .imatrix import collect_imatrix
 
-        if log:
-            log(f"collecting the importance matrix over {scan_tokens} calibration tokens -> {imatrix_file}")
-        collect_imatrix(model, None, scan_tokens, seq_len, imatrix_file, progress=progress)
+        def collect() -> None:
+            if log:
+                log(f"collecting the importance matrix over {scan_tokens} calibration tokens -> {imatrix_file}")
+            collect_imatrix(model, None, scan_tokens, seq_len, imatrix_file, progress=progress)
+
+        cache.ensure(imatrix_file, imatrix_key, collect)
     if map_path is None:
         map_path = out / f"sensitivity{tag}.json"
+        map_key = artifact_key("map", **calibrated, formats=DEFAULT_MAP_FORMATS, rounding=rounding, group_by="layer")
+        if not cache.fresh(map_path, map_key):
+            # Another model or setting: start over. The key goes down before the scan, so an interrupted
+            # scan of this very job resumes on the next run.
+            cache.forget(map_path)
+            map_path.unlink(missing_ok=True)
+            cache.record(map_path, map_key)
         if log:
             log(f"scanning {DEFAULT_MAP_FORMATS} ({rounding}) over {scan_tokens} tokens -> {map_path}")
         scan(model, None, scan_tokens, DEFAULT_MAP_FORMATS, "layer", map_path, resume=True, rounding=rounding,
@@ -132,8 +238,9 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
                                f"this comparison rounds with {rounding}",
                                "scan the map with the same --rounding, or leave --map out")
     f16 = out / "f16.gguf"
-    if not f16.exists():
-        pack(uniform_recipe(source, "F16"), model, f16, progress=False, smoke=False)
+    f16_key = artifact_key("f16", **made_from)
+    cache.ensure(f16, f16_key, lambda: pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False,
+                                            smoke=False))
     reserve = reserve_bytes(source, "llama.cpp", scratch_dir=out)
     shelf_imatrix = llama_imatrix_values(imatrix_file, source) if imatrix else None
 
@@ -164,7 +271,10 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         except CardfitError as exc:
             return {"name": name, "kind": "cardfit", "against": best["name"], "error": str(exc)}
         mine = out / f"cardfit{tag}-{label}.gguf"
-        pack(recipe, model, mine, force=True, progress=False, smoke=False, imatrix=imatrix_file)  # measured below
+        recipe_hash = "sha256:" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+        cache.ensure(mine, artifact_key("cardfit", **made_from, recipe=recipe_hash, imatrix=imatrix_key),
+                     lambda: pack(recipe, model, mine, force=True, progress=False, smoke=False,  # measured below
+                                  imatrix=imatrix_file))
         row = gguf_row(name, "cardfit", mine, against=best["name"], predicted_damage=recipe["predicted_damage"])
         row["kld_reduction"] = 1 - row["kld_mean"] / best["kld_mean"] if best["kld_mean"] > 0 else None
         return row
@@ -173,8 +283,9 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     say(rows[-1])
     for preset in presets:
         shelf_file = out / f"shelf{tag}-{preset}.gguf"
-        if not shelf_file.exists():
-            llama_quantize(f16, shelf_file, preset, imatrix=shelf_imatrix)
+        cache.ensure(shelf_file, artifact_key("shelf", f16=f16_key, preset=preset, imatrix=imatrix_key,
+                                              llama_cpp=llama_cpp_version()),
+                     lambda: _quantize_atomically(f16, shelf_file, preset, shelf_imatrix))
         shelf = gguf_row(f"llama.cpp {preset}" + (" imatrix" if imatrix else ""), "shelf", shelf_file, preset=preset)
         rows += [shelf, cardfit_row([shelf], preset)]
         say(shelf)
@@ -182,11 +293,14 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     four_bit = []
     for method in [m for m in baselines if m != "nf4"]:
         folder = out / f"w4a16-{method}"
-        if not folder.exists():
+
+        def baseline(folder=folder, method=method) -> None:
             if log:
                 log(f"packing uniform W4A16-g128 with {method} ({scan_tokens} calibration tokens) -> {folder}")
             pack(uniform_recipe(source, "W4A16-g128"), model, folder, method=method, max_tokens=scan_tokens,
-                 seq_len=seq_len, progress=False, smoke=False)
+                 seq_len=seq_len, force=True, progress=False, smoke=False)
+
+        cache.ensure(folder, artifact_key("w4a16", **calibrated, method=method), baseline)
         row = {"name": BASELINES[method], "kind": "baseline", "baseline": method,
                "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
                **_measure(folder, reference, text, max_tokens, seq_len)}

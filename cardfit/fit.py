@@ -19,8 +19,6 @@ from .units import format_bytes
 # llama.cpp's overhead and an 8k-token KV cache leaves ~97 MiB for weights, between uniform Q4_K
 # and Q8_0, so the solver has something to decide. A model of your own takes --vram.
 DEFAULT_VRAM = "768MiB"
-DEFAULT_FORMATS = {"llama.cpp": "Q8_0,Q4_K,Q2_K", "vllm": "BF16-dense,W8A16,W4A16-g128"}
-ARTIFACT = {"gguf": "model.gguf", "compressed-tensors": "model-compressed-tensors"}
 FIT_FILES = ("fit.json", "sensitivity.json", "sensitivity.png", "recipe.json", "frontier.json", "frontier.png",
              "check.json", "report.md")
 
@@ -53,24 +51,24 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary."""
     from .budget import budget as compute_budget
     from .budget import render_budget
-    from .pack import PACK_FORMATS, pack, reserve_bytes, render_pack
+    from .pack import pack, reserve_bytes, render_pack
     from .plan import Problem, frontier, plan, render_recipe
-    from .plots import plot_frontier, plot_sensitivity
+    from .atomic import write_json, write_text
     from .paths import guard_output, input_paths, model_paths
+    from .plots import plot_frontier, plot_sensitivity
     from .scan import scan
     from .sources import open_model, runnable
-    from .atomic import write_json, write_text
+    from .targets import all_targets, for_artifact
 
-    runtime = {v: k for k, v in PACK_FORMATS.items()}.get(format)
-    if runtime is None:
-        raise CardfitError(f"unknown --format '{format}'", "use --format gguf or --format compressed-tensors")
+    target = for_artifact(format)
+    runtime = target.name
     if vram is None:
         if model is not None:
             raise CardfitError("--vram is required for a model of your own", "pass the card's memory, e.g. --vram 24GiB")
         vram = DEFAULT_VRAM
     source = open_model(model)
     out = guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)},
-                       kind="workdir", writes=FIT_FILES + tuple(ARTIFACT.values()))
+                       kind="workdir", writes=FIT_FILES + tuple(t.artifact_name for t in all_targets(packs=True)))
     state_path = out / "fit.json"
     state = _read_state(state_path)
     source = runnable(source)
@@ -82,7 +80,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
 
     _say(log, f"\n== 2. scan ({max_tokens} calibration tokens; resumes {out / 'sensitivity.json'})")
     map_path = out / "sensitivity.json"
-    sensitivity = scan(model, calibration, max_tokens, formats or DEFAULT_FORMATS[runtime], "layer", map_path,
+    sensitivity = scan(model, calibration, max_tokens, formats or target.default_scan_formats, "layer", map_path,
                        resume=True, device=device, seq_len=seq_len, progress=progress)
     for warning in sensitivity["warnings"]:
         _say(log, f"warning: {warning}")
@@ -104,7 +102,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     plot_frontier(points, problem, out / "frontier.png", chosen=(recipe["bytes"], recipe["predicted_damage"]))
 
     _say(log, "\n== 4. pack")
-    artifact = out / ARTIFACT[format]
+    artifact = out / target.artifact_name
     recipe_hash = "sha256:" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
     if artifact.exists() and state.get("packed_from") == recipe_hash and state.get("pack"):
         packed = state["pack"]

@@ -19,7 +19,6 @@ KV_DTYPES = {
     "f32": (4, 1, 1), "f16": (2, 1, 1), "bf16": (2, 1, 1), "fp8": (1, 1, 1),
     "q8_0": (34, 32, 32), "q4_0": (18, 32, 32),
 }
-RUNTIME_KV_DTYPES = {"llama.cpp": {"f32", "f16", "bf16", "q8_0", "q4_0"}, "vllm": {"f16", "bf16", "fp8"}}
 
 
 def row_bytes(elements: int, kv_dtype: str) -> int:
@@ -57,9 +56,10 @@ def kv_cache(geometry: ModelGeometry, context: int, batch: int = 1, kv_dtype: st
         raise CardfitError(f"context {context} is not positive", "give --context as a token count such as 8192")
     if batch <= 0:
         raise CardfitError(f"batch {batch} is not positive", "give --batch as a sequence count such as 1")
-    allowed = RUNTIME_KV_DTYPES.get(runtime)
-    if allowed is None:
-        raise CardfitError(f"unknown runtime '{runtime}'", "use --runtime llama.cpp or --runtime vllm")
+    from .targets import get_target
+
+    target = get_target(runtime)
+    allowed = target.kv_dtypes
     if kv_dtype not in allowed:
         raise CardfitError(f"{runtime} cannot hold its KV cache as {kv_dtype}",
                            "use --kv-dtype " + " or ".join(sorted(allowed)))
@@ -69,7 +69,7 @@ def kv_cache(geometry: ModelGeometry, context: int, batch: int = 1, kv_dtype: st
     state = 0
     if geometry.ssm is not None:
         # llama.cpp keeps recurrent state in f32; vLLM in the model dtype (mamba_ssm_cache_dtype=auto).
-        element = 4 if runtime == "llama.cpp" else 2
+        element = target.state_element_bytes
         state = geometry.recurrent_layers * (geometry.ssm.state_elements + geometry.ssm.conv_elements) * element
     return KvCache(
         attention_layers=geometry.attention_layers,

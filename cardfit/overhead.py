@@ -27,20 +27,9 @@ from dataclasses import dataclass, field
 
 from .architecture import ModelGeometry
 from .errors import CardfitError
+from .targets import OverheadSettings, get_target
 
-MiB = 2**20
-
-
-@dataclass
-class OverheadSettings:
-    cuda_context: int | None = None  # bytes; None = the runtime's default
-    n_ubatch: int = 512
-    flash_attention: bool = True
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    enforce_eager: bool = False
-    cuda_graphs: int = 512 * MiB
+__all__ = ["Overhead", "OverheadSettings", "runtime_overhead"]
 
 
 @dataclass
@@ -51,25 +40,12 @@ class Overhead:
 
 def runtime_overhead(geometry: ModelGeometry, vram: int, context: int, runtime: str,
                      settings: OverheadSettings | None = None) -> Overhead:
-    s = settings or OverheadSettings()
-    ffn = 2 * (geometry.intermediate_size or 4 * geometry.hidden_size)
-    attn = 4 * geometry.hidden_size
-    if runtime == "llama.cpp":
-        terms = {"cuda_context": s.cuda_context if s.cuda_context is not None else 384 * MiB}
-        buffer = 4 * s.n_ubatch * (geometry.vocab_size + ffn + attn)
-        if not s.flash_attention:
-            buffer += 4 * s.n_ubatch * context * geometry.num_heads
-        terms["compute_buffer"] = buffer
-    elif runtime == "vllm":
-        if not 0 < s.gpu_memory_utilization <= 1:
-            raise CardfitError(f"gpu_memory_utilization {s.gpu_memory_utilization} is outside (0, 1]",
-                               "use a fraction such as 0.9")
-        terms = {
-            "reserved": vram - int(vram * s.gpu_memory_utilization),
-            "cuda_context": s.cuda_context if s.cuda_context is not None else 512 * MiB,
-            "activations": 2 * s.max_num_batched_tokens * (ffn + attn) + 4 * s.max_num_seqs * geometry.vocab_size,
-            "cuda_graphs": 0 if s.enforce_eager else s.cuda_graphs,
-        }
-    else:
-        raise CardfitError(f"unknown runtime '{runtime}'", "use --runtime llama.cpp or --runtime vllm")
+    """The runtime's own memory, from its target's overhead model (the terms above)."""
+    target = get_target(runtime)
+    if target.overhead_terms is None:
+        from .targets import names
+
+        raise CardfitError(f"{runtime} has no overhead model (it is not a serving runtime)",
+                           "budget for one of: " + ", ".join(names(budget=True)))
+    terms = target.overhead_terms(geometry, vram, context, settings or OverheadSettings())
     return Overhead(total=sum(terms.values()), terms=terms)

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CardfitError
-from .formats import RUNTIME_FORMATS, SCANNED_AS, get_format, runtime_formats
+from .formats import get_format
+from .targets import get_target
 from .schemas import RECIPE_VERSION
 from .units import format_bytes
 
@@ -40,8 +41,9 @@ class Problem:
                  floors: dict[str, str] | None = None, runtime: str | None = None) -> "Problem":
         names = [g["name"] for g in data["groups"]]
         fmts = formats or data["formats"]
-        runtime = check_runtime(data, runtime)
-        served = {f.name for f in runtime_formats(runtime)} if runtime in RUNTIME_FORMATS else None
+        target = get_target(check_runtime(data, runtime))
+        runtime = target.name
+        served = set(target.formats)
         for f in fmts:
             if f not in data["formats"]:
                 raise CardfitError(f"format {f} is not in the map", "scan it, or choose from " + ", ".join(data["formats"]))
@@ -56,7 +58,7 @@ class Problem:
                     raise CardfitError(f"the map has no damage for {g['name']} @ {f} (scan incomplete)",
                                        "finish it with cardfit scan --resume")
                 damage[i, j] = cell["damage"]
-                if served is not None and f not in served:
+                if f not in served:
                     allowed[i, j] = False
         for pattern, fmt in (pins or {}).items():
             rows = _matching(names, pattern)
@@ -69,10 +71,10 @@ class Problem:
             for j, f in enumerate(fmts):
                 if get_format(f).bits < floor_bits:
                     allowed[rows, j] = False
-        if served is not None and not allowed.any(axis=1).all():
+        if not allowed.any(axis=1).all():
             raise CardfitError(f"none of the map's formats ({', '.join(fmts)}) is served by {runtime}",
-                               "scan formats it serves: " + ", ".join(RUNTIME_FORMATS[runtime]))
-        same = _fused_groups(names) if runtime.startswith("vllm") else []
+                               "scan formats it serves: " + ", ".join(target.formats))
+        same = _fused_groups(names, target.fused)
         return cls(names, list(fmts), damage, size, allowed, same, runtime)
 
 
@@ -82,11 +84,10 @@ def check_runtime(data: dict, runtime: str | None) -> str:
     scanned = data.get("runtime", "llama.cpp")
     if runtime is None:
         return scanned
-    if runtime not in SCANNED_AS:
-        raise CardfitError(f"unknown runtime '{runtime}'", "use --runtime " + ", ".join(SCANNED_AS))
-    if SCANNED_AS[runtime] != scanned:
+    target = get_target(runtime)
+    if target.family != scanned:
         raise CardfitError(f"the map was scanned for {scanned}, not for {runtime}",
-                           f"scan formats {runtime} serves: " + ", ".join(RUNTIME_FORMATS[runtime]))
+                           f"scan formats {runtime} serves: " + ", ".join(target.formats))
     return runtime
 
 
@@ -104,10 +105,10 @@ def _format_index(fmts: list[str], fmt: str) -> int:
     return fmts.index(name)
 
 
-def _fused_groups(names: list[str]) -> list[list[int]]:
-    """vLLM fuses q/k/v and gate/up into one kernel each: with per-tensor groups they must share a format."""
+def _fused_groups(names: list[str], fused: tuple[tuple[str, ...], ...]) -> list[list[int]]:
+    """Projections a runtime runs as one kernel (vLLM: q/k/v, gate/up): with per-tensor groups they share a format."""
     out = []
-    for parts in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+    for parts in fused:
         by_prefix: dict[str, list[int]] = {}
         for i, n in enumerate(names):
             for p in parts:

@@ -17,7 +17,20 @@ import torch
 from .errors import CardfitError
 
 
-class GgufRuntime:
+class Runtime:
+    """What check and bench ask of a runtime: `logits(ids)` for a batch of token chunks, `close()`, and
+    `prepare(chunks)`, a chance to score every chunk at once (vLLM starts its engine once)."""
+
+    name = "runtime"
+
+    def prepare(self, chunks: torch.Tensor) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class GgufRuntime(Runtime):
     name = "llama.cpp"
 
     def __init__(self, path: str | Path, n_ctx: int = 512, threads: int | None = None):
@@ -52,7 +65,7 @@ class GgufRuntime:
         self.llm.close()
 
 
-class TransformersRuntime:
+class TransformersRuntime(Runtime):
     name = "transformers"
 
     def __init__(self, path: str | Path, device: str = "cpu"):
@@ -80,7 +93,7 @@ class TransformersRuntime:
         del self.model
 
 
-class BitsAndBytesRuntime:
+class BitsAndBytesRuntime(Runtime):
     """bitsandbytes NF4 as people use it: no file, transformers quantizes the full-precision model
     at load (4-bit NF4 codes, one fp32 absmax per 64 weights, decoder linears only; the
     embedding and the output matrix stay 16-bit). `path` is the reference model itself."""
@@ -137,7 +150,7 @@ class BitsAndBytesRuntime:
         del self.model
 
 
-class VllmRuntime:
+class VllmRuntime(Runtime):
     """vLLM serving a compressed-tensors checkpoint. Starting vLLM costs ~20 s, so `prepare` scores
     every chunk in one engine start and `logits` reads the answers back."""
 
@@ -207,26 +220,24 @@ def _refuse_pickles(path: Path) -> None:
 
 def open_runtime(path: str | Path, n_ctx: int = 512, device: str = "cpu", kind: str | None = None,
                  runtime: str | None = None):
-    """The runtime an artifact is served by: llama.cpp for GGUF, transformers (or, asked for, vLLM)
-    for a checkpoint directory; asked for bitsandbytes, a full-precision directory quantized to NF4 at load.
+    """The runtime an artifact is measured in: the target named by `runtime`, else the default reader of
+    its kind of file (llama.cpp for GGUF, transformers for a checkpoint directory; cardfit.targets).
 
     `kind` ("gguf" or "compressed-tensors") names it when the file name cannot (a temporary name).
     """
+    from .targets import default_reader, get_target, names
+
     path = Path(path)
     if path.is_dir():
         _refuse_pickles(path)
-    if runtime == "bitsandbytes":
-        if not (path.is_dir() and (path / "config.json").exists()):
-            raise CardfitError(f"bitsandbytes quantizes a full-precision model directory at load; {path} is not one",
-                               "give the reference model's directory as the artifact")
-        return BitsAndBytesRuntime(path, device)
-    if runtime == "vllm":
-        if not (path.is_dir() and (path / "config.json").exists()):
-            raise CardfitError(f"vLLM serves checkpoint directories; {path} is not one",
-                               "pack with --format compressed-tensors for vLLM")
-        return VllmRuntime(path, n_ctx)
-    if path.is_file() and (kind == "gguf" or path.suffix == ".gguf"):
-        return GgufRuntime(path, n_ctx)
-    if path.is_dir() and (path / "config.json").exists():
-        return TransformersRuntime(path, device)
-    raise CardfitError(f"no artifact at {path}", "give a .gguf file or a compressed-tensors checkpoint directory")
+    if runtime is None:
+        if path.is_file() and (kind == "gguf" or path.suffix == ".gguf"):
+            runtime = default_reader("gguf").name
+        elif path.is_dir() and (path / "config.json").exists():
+            runtime = default_reader("compressed-tensors").name
+        else:
+            raise CardfitError(f"no artifact at {path}", "give a .gguf file or a compressed-tensors checkpoint directory")
+    target = get_target(runtime)
+    if target.load is None:
+        raise CardfitError(f"cardfit cannot run an artifact in {runtime}", "use --runtime " + ", ".join(names(loads=True)))
+    return target.load(path, n_ctx, device)

@@ -105,7 +105,7 @@ class SensitivityMap(_Record):
     damage: DamageHeader
     rounding: Literal["rtn", "imatrix", "gptq", "awq"]
     group_by: Literal["layer", "tensor"]
-    runtime: Literal["llama.cpp", "vllm"]
+    runtime: StrictStr
     formats: Annotated[list[Name], Field(min_length=1, max_length=256)]
     reference: dict = {}
     groups: Annotated[list[MapGroup], Field(min_length=1)]
@@ -117,6 +117,7 @@ class SensitivityMap(_Record):
     def _consistent(self):
         from .formats import get_format
 
+        _family(self.runtime)
         if len(set(self.formats)) != len(self.formats):
             raise ValueError("formats lists a format twice")
         for name in self.formats:
@@ -165,8 +166,8 @@ class Recipe(_Record):
     cardfit_recipe: Literal[1]
     source: Optional[Literal["uniform"]] = None
     map: MapReference
-    runtime: Literal["llama.cpp", "vllm"]
-    served_by: Optional[Literal["llama.cpp", "vllm", "vllm-cpu"]] = None
+    runtime: StrictStr
+    served_by: Optional[StrictStr] = None
     budget: RecipeBudget
     predicted_damage: Optional[float] = None
     bytes: ByteCount
@@ -183,7 +184,14 @@ class Recipe(_Record):
     @model_validator(mode="after")
     def _consistent(self):
         from .formats import get_format
+        from .targets import get_target
 
+        _family(self.runtime)
+        if self.served_by is not None:
+            if self.served_by not in _target_names():
+                raise ValueError(f"served_by {self.served_by!r} is not a runtime cardfit knows ({', '.join(_target_names())})")
+            if get_target(self.served_by).family != self.runtime:
+                raise ValueError(f"served_by {self.served_by} does not load {self.runtime} files")
         seen = set()
         for g in self.groups:
             if g.name in seen:
@@ -202,6 +210,21 @@ class Recipe(_Record):
         if total != self.bytes:
             raise ValueError(f"bytes {self.bytes} is not the sum of its groups' bytes ({total})")
         return self
+
+
+def _target_names() -> list[str]:
+    from .targets import names
+
+    return names()
+
+
+def _family(runtime: str) -> None:
+    """A map or recipe's runtime is the family of files some packing target writes (cardfit.targets)."""
+    from .targets import all_targets
+
+    families = sorted({t.family for t in all_targets(packs=True)})
+    if runtime not in families:
+        raise ValueError(f"runtime {runtime!r} is not one cardfit packs for ({', '.join(families)})")
 
 
 def _where(loc: tuple) -> str:

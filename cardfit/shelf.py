@@ -6,17 +6,28 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from .errors import CardfitError
+from .formats.gguf_formats import GGUF_TYPES, llama_file_type
 
-# llama_ftype values (llama.h). Presets are llama.cpp's mixes; pure types quantize every matrix alike.
-FTYPES = {
-    "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12,
-    "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25,
-    "IQ4_XS": 30, "BF16": 32,
-}
-PURE_FTYPE = {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}  # base type of the _S mixes
+
+def _presets() -> dict[str, int]:
+    """llama.cpp's presets built on cardfit's menu, name -> llama_ftype (gguf-py's LlamaFileType): each
+    menu type with a pure file type (Q6_K, Q8_0, ...) and the _S/_M/_L mixes of the menu's k-quants
+    (Q4_K_M, ...), less the one that quantizes only with an imatrix (Q2_K_S)."""
+    presets = {}
+    for file_type in gguf.LlamaFileType:
+        name = file_type.name.removeprefix("MOSTLY_")
+        base, _, mix = name.rpartition("_")
+        if name in GGUF_TYPES or (base in GGUF_TYPES and mix in ("S", "M", "L") and name != "Q2_K_S"):
+            presets[name] = int(file_type)
+    return presets
+
+
+# Presets are llama.cpp's mixes; a pure quantize (`pure=True`) stores every matrix in the base type.
+FTYPES = _presets()
 
 
 def llama_quantize(source: str | Path, out: str | Path, ftype: str, *, pure: bool = False,
@@ -24,11 +35,14 @@ def llama_quantize(source: str | Path, out: str | Path, ftype: str, *, pure: boo
     """Run llama.cpp's quantize on a GGUF file, exactly as `llama-quantize` would."""
     import llama_cpp
 
-    name = PURE_FTYPE.get(ftype, ftype) if pure else ftype
-    if name not in FTYPES:
+    if pure and ftype in GGUF_TYPES:
+        file_type = llama_file_type(ftype)  # its pure file type, or the _S mix whose base type it is
+    elif ftype in FTYPES:
+        file_type = FTYPES[ftype]
+    else:
         raise CardfitError(f"llama.cpp has no preset '{ftype}'", "known: " + ", ".join(FTYPES))
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FTYPES[name]
+    params.ftype = file_type
     params.nthread = threads
     params.allow_requantize = True
     params.pure = pure

@@ -38,9 +38,11 @@ class SizeReport:
 
 
 def size_report(source: ModelSource, formats: tuple[str, ...] = UNIFORM_FORMATS) -> SizeReport:
+    from .targets import all_targets
+
     return SizeReport(
         stored_bytes=source.stored_bytes,
         uniform={name: uniform_bytes(source, get_format(name)) for name in formats},
-        minimum={rt: minimum_bytes(source, rt) for rt in ("llama.cpp", "vllm")},
+        minimum={t.name: minimum_bytes(source, t.name) for t in all_targets(budget=True)},
         parameters=sum(t.numel for t in priced_tensors(source)),
     )

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from cardfit.formats import FORMATS, GGML_BLOCKS, Calibration, get_format, ggml_lib
+from cardfit.formats import FORMATS, GGML_BLOCKS, GGUF_TYPES, Calibration, get_format, ggml_lib
 from cardfit.formats.gguf_formats import GgmlFormat
 
 PURE_TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS"]  # + Q5_0, Q5_1, Q8_0, Q4_0, IQ4_NL as fallbacks
@@ -99,6 +99,71 @@ def test_edge_shapes_fall_back_like_llama_cpp(shape, expected):
     assert out.shape == w.shape
     if expected == "F32":
         assert torch.equal(out, w)
+
+
+@pytest.fixture(scope="module")
+def odd_rows_gguf(tmp_path_factory):
+    """A one-layer llama in F16 whose matrices have rows of 256 (q, k, v, gate, up, embedding, output),
+    96 (ffn_down: a 32-block type's rows, not a k-quant's) and 40 (attn_output: not even 32's)."""
+    import gguf
+
+    n_embd, n_ff, n_head, head_dim, vocab = 256, 96, 2, 20, 64
+    path = tmp_path_factory.mktemp("odd") / "odd-rows-f16.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(5)
+    matrix = lambda rows, cols: (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
+    writer.add_tensor("token_embd.weight", matrix(vocab, n_embd))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    for t in ("q", "k", "v"):
+        writer.add_tensor(f"blk.0.attn_{t}.weight", matrix(n_head * head_dim, n_embd))
+    writer.add_tensor("blk.0.attn_output.weight", matrix(n_embd, n_head * head_dim))
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_gate.weight", matrix(n_ff, n_embd))
+    writer.add_tensor("blk.0.ffn_up.weight", matrix(n_ff, n_embd))
+    writer.add_tensor("blk.0.ffn_down.weight", matrix(n_embd, n_ff))
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("output.weight", matrix(vocab, n_embd))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_fallback_rule_is_the_bundled_llama_cpp_s(type_name, odd_rows_gguf, tmp_path):
+    """The one fallback rule (gguf_formats.storage_type) against the bundled llama.cpp: for every menu
+    type, each tensor of a model with rows of 256, 96 and 40 gets llama.cpp's stored type and bytes."""
+    import gguf
+
+    from cardfit.shelf import llama_quantize
+
+    source = {t.name: t for t in gguf.GGUFReader(str(odd_rows_gguf)).tensors}
+    out = llama_quantize(odd_rows_gguf, tmp_path / "q.gguf", type_name, pure=True, threads=1)
+    fmt = get_format(type_name)
+    stored = set()
+    for theirs in gguf.GGUFReader(str(out)).tensors:
+        shape = tuple(int(d) for d in reversed(theirs.shape))
+        assert fmt.storage(theirs.name, shape) == theirs.tensor_type.name, theirs.name
+        assert fmt.tensor_bytes(theirs.name, shape) == theirs.n_bytes, theirs.name
+        values = torch.from_numpy(np.asarray(source[theirs.name].data).astype(np.float32)).reshape(shape)
+        _, raw = fmt.quantize(theirs.name, values)
+        assert np.array_equal(raw, np.asarray(theirs.data).reshape(-1).view(np.uint8)), theirs.name
+        stored.add(theirs.tensor_type.name)
+    if GGML_BLOCKS[type_name][0] > 1:
+        assert "F16" in stored  # the 40-wide rows took the last resort
+    if GGML_BLOCKS[type_name][0] == 256:
+        assert len(stored - {"F32", "F16", type_name}) == 1  # the 96-wide rows took a 32-block type
 
 
 def test_roundtrip_error_shrinks_with_bits():

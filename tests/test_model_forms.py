@@ -8,6 +8,7 @@ an f16 directory in the cache) it must measure what the directory measures.
 
 import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,12 +26,19 @@ SCAN = ("--max-tokens", "64", "--seq-len", "32")
 
 
 def _snapshot(cache: Path, repo_id: str, files) -> None:
-    """A repo as `huggingface-cli download` leaves it in the hub cache."""
+    """A repo as `huggingface-cli download` leaves it in the hub cache: snapshot links into blobs (a
+    GGUF blob is a hard link to the file, which is what a download of the same bytes would hold)."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / REVISION
     snapshot.mkdir(parents=True)
-    for file in files:
-        shutil.copy(file, snapshot / file.name)
+    (repo / "blobs").mkdir()
+    for i, file in enumerate(files):
+        blob = repo / "blobs" / f"blob{i}"
+        if file.suffix == ".gguf":
+            os.link(file, blob)
+        else:
+            shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(REVISION)
 
@@ -257,17 +265,35 @@ def test_refine_takes_every_form(run_cli, world, maps, tmp_path):
         assert record["measured_before"] == pytest.approx(refined["directory"]["measured_before"], rel=1e-3), form
 
 
-def test_fit_takes_every_form(run_cli, world, tmp_path, monkeypatch):
-    monkeypatch.setattr("cardfit.check.DEFAULT_CEILING", 1e12)  # random weights: no language to smoke-test
-    recipes = {}
-    for form, spec in world.forms.items():
-        out = tmp_path / form
-        code, _, err = run_cli("fit", spec, "--vram", "2GiB", "--context", "256", "--calibration", world.calib,
-                               "--max-tokens", "512", "--formats", "Q8_0,Q4_0", "--out", out)
-        assert code == 0, err
-        assert (out / "model.gguf").stat().st_size > 0
-        recipes[form] = [(g["name"], g["format"]) for g in json.loads((out / "recipe.json").read_text())["groups"]]
-    assert all(r == recipes["directory"] for r in recipes.values())
+@pytest.fixture(scope="module")
+def fits(world, tmp_path_factory):
+    """`fit` of one form, run once: the directory's is every other form's expected answer."""
+    import sys
+
+    import cardfit.check  # noqa: F401 (the package exports the function `check` under the module's name)
+    from cardfit.fit import fit
+
+    done = {}
+
+    def run(form: str) -> dict:
+        if form not in done:
+            with _env(world), pytest.MonkeyPatch.context() as mp:
+                mp.setattr(sys.modules["cardfit.check"], "DEFAULT_CEILING", 1e12)  # random weights: nothing to smoke
+                done[form] = fit(world.forms[form], "2GiB", 256, formats="Q8_0,Q4_0",
+                                 out=tmp_path_factory.mktemp(f"fit-{form}"), calibration=world.calib, max_tokens=64,
+                                 seq_len=32, progress=False, log=None)
+        return done[form]
+
+    return run
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_fit_takes_every_form(fits, form):
+    summary = fits(form)
+    assert Path(summary["artifact"]).stat().st_size == summary["pack"]["file_bytes"]
+    recipe = [(g["name"], g["format"], g["bytes"]) for g in summary["recipe"]["groups"]]
+    assert recipe == [(g["name"], g["format"], g["bytes"]) for g in fits("directory")["recipe"]["groups"]]
+    assert summary["budget"]["weight_budget_bytes"] == fits("directory")["budget"]["weight_budget_bytes"]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -281,24 +307,39 @@ def test_compare_takes_every_form(world, maps, tmp_path, form):
     assert all(r["kld_mean"] >= 0 for r in rows.values())
 
 
-def test_a_gguf_is_converted_once_per_content(world, tmp_path, capsys):
+def test_a_gguf_is_converted_once_per_content(world, tmp_path, capsys, monkeypatch):
+    """Found again by content: a copy under another name reuses the conversion, a changed file does not."""
     from cardfit.sources import open_model
     from cardfit.sources.gguf_file import converted_dir
 
+    made = []
+
+    class Converter:  # the conversion itself runs in `maps`; here only when it runs
+        def __init__(self, path):
+            self.path = path
+
+        def materialize(self, out_dir):
+            made.append(self.path.name)
+            shutil.copytree(world.directory, out_dir)
+            return out_dir
+
+    monkeypatch.setattr("cardfit.sources.gguf_file.GgufSource", Converter)
     changed = tmp_path / "changed.gguf"
     shutil.copy(world.gguf, changed)
-    tensor = next(t for t in gguf.GGUFReader(str(changed)).tensors if t.name == "blk.0.ffn_down.weight")
-    with open(changed, "r+b") as fh:  # one weight of one matrix: a different model of the same header
-        fh.seek(tensor.data_offset)
-        fh.write(b"\x00\x3c")  # f16 1.0
+    with open(changed, "ab") as fh:  # other bytes (past the tensor data, so still a readable GGUF)
+        fh.write(b"\0" * 64)
     assert converted_dir(changed) != converted_dir(world.gguf)
     first = open_model(changed, run=True).path
+    assert made == ["changed.gguf"]
     assert capsys.readouterr().err.count("converting changed.gguf") == 1
     twin = tmp_path / "twin.gguf"
     shutil.copy(changed, twin)
-    assert open_model(changed, run=True).path == open_model(twin, run=True).path == first  # by content
-    assert "converting" not in capsys.readouterr().err
-    assert not [p for p in first.parent.iterdir() if p.name.endswith(".part")]  # nothing half-written
+    assert open_model(changed, run=True).path == open_model(twin, run=True).path == first
+    assert made == ["changed.gguf"] and "converting" not in capsys.readouterr().err
+    with open(twin, "r+b") as fh:  # edited in place, same size: converted again
+        fh.seek(-1, os.SEEK_END)
+        fh.write(b"\1")
+    assert open_model(twin, run=True).path != first and made == ["changed.gguf", "twin.gguf"]
 
 
 # -- what transformers cannot read is one line, not a traceback ---------------------------------------------
@@ -334,7 +375,8 @@ def test_a_gguf_transformers_cannot_convert_is_one_clean_error(run_cli, world, t
         fh.write(b"\0" * 32)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     code, _, err = run_cli("scan", copy, "--calibration", world.calib, *SCAN, "--out", tmp_path / "m.json")
-    assert code == 2 and err.startswith("error: transformers cannot convert unconvertible.gguf") and err.count("\n") == 1
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("error: transformers cannot convert unconvertible.gguf")
     assert not list((world.cache / "gguf").glob("unconvertible-*"))  # no half-made directory left behind
 
 

@@ -163,6 +163,21 @@ def test_no_pickle_loading_anywhere_in_the_package():
         assert "torch.load(" not in text and "import pickle" not in text and "pickle.load" not in text, path
 
 
+def test_every_model_load_in_the_package_refuses_pickles():
+    """transformers falls back to pytorch_model.bin (a pickle) unless told not to: every model load says so."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parent.parent / "cardfit"
+    loads = 0
+    for path in root.rglob("*.py"):
+        for call in re.finditer(r"AutoModelForCausalLM\.from_pretrained\((.*?)\)\s*(?:\.to|$)", path.read_text(),
+                                re.S | re.M):
+            loads += 1
+            assert "use_safetensors=True" in call.group(1) or "gguf_file=" in call.group(1), (path, call.group(0))
+    assert loads >= 3
+
+
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                       max_size=4), max_leaves=20)

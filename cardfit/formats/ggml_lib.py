@@ -15,13 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CardfitError
-
-# enum ggml_type (ggml.h); stable across releases, checked against ggml_type_name at load.
-GGML_TYPES = {
-    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
-    "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30,
-}
-_LOWER_NAMES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+from .gguf_formats import GGML_BLOCKS, ggml_type
 
 
 class _TypeTraits(ctypes.Structure):
@@ -70,24 +64,32 @@ def ggml() -> ctypes.CDLL:
     lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
     lib.ggml_type_name.restype = ctypes.c_char_p
     lib.ggml_type_name.argtypes = [ctypes.c_int]
-    for name, value in GGML_TYPES.items():
+    # gguf-py's enum values and block sizes must be this libggml's, or cardfit would price and
+    # quantize one type and label it another.
+    for name, (block, size) in GGML_BLOCKS.items():
+        value = ggml_type(name).value
         actual = lib.ggml_type_name(value).decode()
         if actual.upper() != name:
-            raise CardfitError(f"this ggml numbers type {value} as {actual}, not {name}",
-                               "install a llama-cpp-python release cardfit supports")
+            raise CardfitError(f"this ggml numbers type {value} as {actual}, gguf-py as {name}",
+                               "install gguf and llama-cpp-python releases cardfit supports")
+        t = lib.ggml_get_type_traits(value).contents
+        if (t.blck_size, t.type_size) != (block, size):
+            raise CardfitError(f"this ggml stores {name} in blocks of {t.blck_size} elements and {t.type_size} "
+                               f"bytes, gguf-py in {block} and {size}",
+                               "install gguf and llama-cpp-python releases cardfit supports")
     return lib
 
 
 def traits(type_name: str) -> _TypeTraits:
-    return ggml().ggml_get_type_traits(GGML_TYPES[type_name]).contents
+    return ggml().ggml_get_type_traits(ggml_type(type_name)).contents
 
 
 def row_size(type_name: str, n_per_row: int) -> int:
-    return int(ggml().ggml_row_size(GGML_TYPES[type_name], n_per_row))
+    return int(ggml().ggml_row_size(ggml_type(type_name), n_per_row))
 
 
 def requires_imatrix(type_name: str) -> bool:
-    return bool(ggml().ggml_quantize_requires_imatrix(GGML_TYPES[type_name]))
+    return bool(ggml().ggml_quantize_requires_imatrix(ggml_type(type_name)))
 
 
 def quantize(type_name: str, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
@@ -102,7 +104,7 @@ def quantize(type_name: str, rows: np.ndarray, imatrix: np.ndarray | None = None
             raise ValueError(f"imatrix has {imat.shape}, expected ({n_per_row},)")
     with _LOCK:  # ggml_quantize_init's tables are global
         written = ggml().ggml_quantize_chunk(
-            GGML_TYPES[type_name], src.ctypes.data, out.ctypes.data, 0, nrows, n_per_row,
+            ggml_type(type_name), src.ctypes.data, out.ctypes.data, 0, nrows, n_per_row,
             None if imat is None else imat.ctypes.data)
     if written != out.nbytes:
         raise RuntimeError(f"ggml wrote {written} bytes for {type_name}, expected {out.nbytes}")

@@ -1,23 +1,50 @@
-"""llama.cpp's GGUF tensor types, quantized by ggml itself."""
+"""llama.cpp's GGUF tensor types, quantized by ggml itself.
+
+Every number about a ggml type (its enum value, its block and block bytes, the llama.cpp file
+type that stores it) is read from gguf-py's tables; this module adds only cardfit's menu of types
+and llama.cpp's fallback rule for rows its block does not divide.
+"""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import torch
 
 from .base import Calibration, Format, numel
 
-# type -> (block elements, bytes per block); the same numbers ggml's type traits give (tested).
-GGML_BLOCKS = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q5_1": (32, 24), "Q5_0": (32, 22),
-    "Q4_1": (32, 20), "Q4_0": (32, 18), "IQ4_NL": (32, 18), "Q6_K": (256, 210), "Q5_K": (256, 176),
-    "Q4_K": (256, 144), "IQ4_XS": (256, 136), "Q3_K": (256, 110), "Q2_K": (256, 84),
-}
+# cardfit's menu: the ggml types it offers for llama.cpp, best first. The one list of their names.
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL",
+              "Q3_K", "Q2_K")
+STORAGE_TYPES = ("F32",) + GGUF_TYPES  # what a tensor cardfit writes can be stored as (1-D tensors stay F32)
 
-# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): a row that is not a multiple of
-# the type's block takes this 32-block type, and F16 if even that does not divide it.
-FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
-FLOAT_TYPES = ("F32", "F16", "BF16")
+
+def ggml_type(type_name: str) -> gguf.GGMLQuantizationType:
+    """The ggml type (enum ggml_type) of a type name, from gguf-py."""
+    return gguf.GGMLQuantizationType[type_name]
+
+
+# type -> (block elements, bytes per block): gguf-py's GGML_QUANT_SIZES for the types cardfit stores.
+GGML_BLOCKS = {name: gguf.GGML_QUANT_SIZES[ggml_type(name)] for name in STORAGE_TYPES}
+
+
+def llama_file_type(type_name: str) -> int:
+    """llama.cpp's file type (llama_ftype, gguf-py's LlamaFileType) whose base type is `type_name`: the
+    pure one, or for a k-quant with no pure file type its _S mix (Q4_K -> MOSTLY_Q4_K_S)."""
+    types, name = gguf.LlamaFileType.__members__, f"MOSTLY_{type_name}"
+    return int(types[name] if name in types else types[f"{name}_S"])
+
+
+def storage_type(type_name: str, n_per_row: int) -> str:
+    """The type a matrix of `type_name` with rows of `n_per_row` is stored as. llama.cpp's
+    tensor_type_fallback (src/llama-quant.cpp): a row the type's block does not divide takes a
+    32-block type (a 32-block type keeps itself), and F16 if that block does not divide it either.
+    tests/test_formats.py checks this against the bundled llama.cpp's own quantize, type by type."""
+    if n_per_row % GGML_BLOCKS[type_name][0] == 0:
+        return type_name
+    fallback = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+                "IQ4_XS": "IQ4_NL"}.get(type_name, type_name)
+    return fallback if n_per_row % GGML_BLOCKS[fallback][0] == 0 else "F16"
 
 
 def ggml_tensor_bytes(type_name: str, shape: tuple[int, ...]) -> int:
@@ -38,13 +65,7 @@ class GgmlFormat(Format):
     def storage(self, name: str, shape: tuple[int, ...]) -> str:
         if len(shape) < 2 or "norm" in name:
             return "F32"  # llama.cpp quantizes only matrices; its converter writes 1-D tensors as F32
-        target = self.name
-        n_per_row = shape[-1]
-        if n_per_row % GGML_BLOCKS[target][0]:
-            target = FALLBACK.get(target, target)
-            if n_per_row % GGML_BLOCKS[target][0]:
-                target = "F16"
-        return target
+        return storage_type(self.name, shape[-1])
 
     def tensor_bytes(self, name: str, shape: tuple[int, ...]) -> int:
         return ggml_tensor_bytes(self.storage(name, shape), shape)

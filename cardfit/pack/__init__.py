@@ -14,8 +14,13 @@ from pathlib import Path
 from ..errors import CardfitError
 from ..units import format_bytes
 
-PACK_FORMATS = {"llama.cpp": "gguf", "vllm": "compressed-tensors"}
-PACK_METHODS = {"gguf": ("rtn", "imatrix"), "compressed-tensors": ("rtn", "gptq", "awq")}
+
+
+def recipe_target(recipe: dict):
+    """The target a recipe was planned for (older recipes name only the map's runtime)."""
+    from ..targets import get_target
+
+    return get_target(recipe.get("served_by") or recipe["runtime"])
 
 
 def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | Path = "model.gguf",
@@ -26,7 +31,7 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
     """Pack `recipe` for `model`; returns a report (also what the CLI prints).
 
     `imatrix` is a llama.cpp importance matrix file (GGUF) to round with instead of collecting one."""
-    from ..atomic import atomic_directory, atomic_path
+    from ..atomic import atomic_directory, atomic_paths
     from ..paths import guard_output, input_paths, model_paths
     from ..recipes import check_model, read_recipe, tensor_formats, validate_recipe
     from ..sources import open_model, runnable
@@ -36,24 +41,30 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
         data = recipe
     else:
         data = read_recipe(recipe)
-    fmt = format or PACK_FORMATS[data["runtime"]]
-    if fmt not in PACK_METHODS:
+    from ..targets import all_targets
+
+    target = recipe_target(data)
+    fmt = format or target.artifact
+    if fmt not in {t.artifact for t in all_targets(packs=True)}:
         raise CardfitError(f"unknown pack format '{fmt}'", "use --format gguf or --format compressed-tensors")
-    if PACK_FORMATS[data["runtime"]] != fmt:
-        raise CardfitError(f"the recipe was planned for {data['runtime']}, which does not load {fmt}",
-                           f"pack it as --format {PACK_FORMATS[data['runtime']]}, or plan from a map of that runtime")
+    if target.artifact != fmt:
+        raise CardfitError(f"the recipe was planned for {target.name}, which does not load {fmt}",
+                           f"pack it as --format {target.artifact}, or plan from a map of that runtime")
     if imatrix is not None:
-        if fmt != "gguf" or method not in ("rtn", "imatrix"):
-            raise CardfitError("--imatrix rounds GGUF types only", "pack with --format gguf, without --method")
+        if "imatrix" not in target.pack_methods or method not in ("rtn", "imatrix"):
+            raise CardfitError(f"--imatrix rounds {' '.join(sorted({t.artifact for t in all_targets(packs=True) if 'imatrix' in t.pack_methods}))} types only",
+                               "pack with --format gguf, without --method")
         method = "imatrix"
-    if method not in PACK_METHODS[fmt]:
+    if method not in target.pack_methods:
         raise CardfitError(f"--method {method} does not apply to {fmt}",
-                           f"{fmt} takes --method " + " or ".join(PACK_METHODS[fmt]))
+                           f"{fmt} takes --method " + " or ".join(target.pack_methods))
     source = open_model(model)
     out = guard_output(out, {"the model": model_paths(source),
                              "the recipe": [] if isinstance(recipe, dict) else input_paths(recipe),
                              "the calibration text": input_paths(calibration), "the imatrix": input_paths(imatrix)},
                        kind="file" if fmt == "gguf" else "dir")
+    for name in target.beside(out, data) if target.beside else {}:  # files written next to the artifact
+        guard_output(out.parent / name, {"the model": model_paths(source)}, flag=f"the {name} beside --out")
     if out.exists() and not force:
         raise CardfitError(f"{out} exists", "pass --force to replace it, or choose another --out")
     source = runnable(source)
@@ -72,9 +83,12 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
         if fmt == "gguf":
             from .gguf_pack import write_gguf
 
-            with atomic_path(out) as tmp:
+            beside = target.beside(out, data) if target.beside else {}
+            with atomic_paths(out, *(out.parent / name for name in beside)) as (tmp, *beside_tmps):
                 result = write_gguf(tmp, source, formats, budget, method, calib, name=out.stem, progress=tick)
                 result["smoke"] = _smoke(tmp, source, fmt, smoke, ceiling, bar)
+                for path, text in zip(beside_tmps, beside.values()):
+                    path.write_text(text, encoding="utf-8")
         else:
             from .compressed import write_compressed
 
@@ -86,7 +100,7 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
             bar.close()
     # What the budget holds: the whole GGUF file; for compressed-tensors the weights (headers stay on the host).
     counted = result["file_bytes"] if fmt == "gguf" else result["tensor_bytes"]
-    return {"artifact": str(out), "format": fmt, "method": method, "groups": len(data["groups"]),
+    return {"artifact": str(out), "target": target.name, "format": fmt, "method": method, "groups": len(data["groups"]),
             "file_bytes": result["file_bytes"], "tensor_bytes": result["tensor_bytes"], "counted_bytes": counted,
             "planned_bytes": data["bytes"], "weight_budget_bytes": budget, "margin_bytes": budget - counted,
             "predicted_damage": data["predicted_damage"], "warnings": result["warnings"], "smoke": result["smoke"]}
@@ -144,7 +158,9 @@ def reserve_bytes(source, runtime: str, scratch_dir: str | Path | None = None) -
     """What the artifact holds beside tensor data, whatever the recipe: for GGUF the header (metadata,
     tokenizer, tensor table) plus the most alignment padding the tensors can need; 0 for vLLM, whose
     safetensors headers never reach the GPU."""
-    if runtime != "llama.cpp":
+    from ..targets import get_target
+
+    if get_target(runtime).artifact != "gguf":
         return 0
     from ..formats import get_format
     from ..sizes import priced_tensors

@@ -13,14 +13,12 @@ import numpy as np
 
 from ..errors import CardfitError
 from ..formats import GgmlFormat
-from ..formats.gguf_formats import ggml_tensor_bytes
+from ..formats.gguf_formats import ggml_tensor_bytes, ggml_type, llama_file_type
 from ..sources import EMBED, LM_HEAD, NORM, ModelSource, group_of
 from .gguf_arch import ArchSpec
 from .gguf_vocab import add_vocab, loadable_name
 
 ALIGNMENT = 32  # GGUF's default data alignment
-_FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11, "Q4_K": 14,
-               "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
 
 
 def _pad(n: int) -> int:
@@ -67,12 +65,13 @@ class GgufPlan:
         return _pad(header) + sum(_pad(a.nbytes) for a in self.extra.values()) + (ALIGNMENT - 1) * len(self.entries)
 
     def file_type(self) -> int:
+        """general.file_type: llama.cpp's file type of the type holding the most bytes (F32 aside)."""
         counts: dict[str, int] = {}
         for _, _, storage, _, nbytes in self.entries:
             if storage != "F32":
                 counts[storage] = counts.get(storage, 0) + nbytes
         top = max(counts, key=counts.get) if counts else "F16"
-        return _FILE_TYPES.get(top, 1)
+        return llama_file_type(top)
 
 
 def _writer(path, source: ModelSource, plan: GgufPlan, name: str):
@@ -88,7 +87,7 @@ def _writer(path, source: ModelSource, plan: GgufPlan, name: str):
     writer.add_name(loadable_name(name, tokens, warnings))
     for _, gguf_name, storage, shape, nbytes in plan.entries:
         writer.add_tensor_info(gguf_name, list(shape), np.dtype(np.float32), nbytes,
-                               raw_dtype=gguf.GGMLQuantizationType[storage])
+                               raw_dtype=ggml_type(storage))
     for gguf_name, array in plan.extra.items():
         writer.add_tensor_info(gguf_name, list(array.shape), array.dtype, array.nbytes)
     return writer, warnings

@@ -85,15 +85,20 @@ def _derived_tensor_names() -> frozenset[str]:
     return frozenset(gguf.TENSOR_NAMES[k] + ".weight" for k in kinds)
 
 
+def _file_version(path: Path) -> str:
+    """The file as it is now: (device, inode) names it across renames and links, size and mtime
+    change with every rewrite."""
+    st = path.stat()
+    return f"{st.st_dev}:{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+
+
 def content_hash(path: Path) -> str:
-    """sha256 of the file's bytes, remembered per (path, size, mtime, inode) in the cache so an
+    """sha256 of the file's bytes, remembered per file version (`_file_version`) in the cache so an
     unchanged multi-GB file is hashed once, and an edited or replaced one is hashed again."""
     from ..atomic import write_json
     from ..default_model import cache_root
 
-    path = path.resolve()
-    st = path.stat()
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    key = _file_version(path)
     index_path = cache_root() / "gguf" / "hashes.json"
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
@@ -108,7 +113,7 @@ def content_hash(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 24), b""):
             digest.update(block)
     value = digest.hexdigest()
-    index = {k: v for k, v in index.items() if not k.startswith(f"{path}|")}  # the file's older versions
+    index = {k: v for k, v in index.items() if k.split("|")[0] != key.split("|")[0]}  # the file's older versions
     index[key] = value
     try:
         write_json(index_path, index)
@@ -118,10 +123,14 @@ def content_hash(path: Path) -> str:
 
 
 def converted_dir(path: Path) -> Path:
-    """Where the f16 conversion of this GGUF's exact content lives in the cache."""
+    """Where the f16 conversion of this GGUF's exact content lives in the cache: found by the content
+    hash alone (a copy or a renamed file is the same model), named after the file that made it."""
     from ..default_model import cache_root
 
-    return cache_root() / "gguf" / f"{path.stem}-{content_hash(path)[:16]}-f16"
+    digest = content_hash(path)[:16]
+    root = cache_root() / "gguf"
+    made = sorted(d for d in root.glob(f"*-{digest}-f16") if (d / "config.json").exists()) if root.is_dir() else []
+    return made[0] if made else root / f"{path.stem}-{digest}-f16"
 
 
 def converted_source(path: str | Path, source: "GgufSource | None" = None):
@@ -143,16 +152,68 @@ def converted_source(path: str | Path, source: "GgufSource | None" = None):
     return converted
 
 
+HEADER_MEMO_VERSION = 1
+MEMO_METADATA = ("general.architecture", "tokenizer.ggml.pre")
+
+
+def _header_memo_path(path: Path) -> tuple[Path, str]:
+    """Where what this file's header says (config, tensor table) is remembered, and the memo's key: the
+    file's version and the transformers that derived the config."""
+    import transformers
+
+    from ..default_model import cache_root
+
+    key = f"{_file_version(path)}|transformers {transformers.__version__}|{HEADER_MEMO_VERSION}"
+    return cache_root() / "gguf" / "headers" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"), key
+
+
 class GgufSource(ModelSource):
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
             raise CardfitError(f"no GGUF file at {self.path}", "check the path")
-        self._gguf = _reader(self.path)
-        self._hf_config = transformers_config(self.path, self._gguf)
-        self.config = self._hf_config.to_dict()
+        header = self._header()
+        self.config = header["config"]
+        self._all = [TensorInfo(name, tuple(shape), dtype, nbytes, group_of(name))
+                     for name, shape, dtype, nbytes in header["tensors"]]
+        self._metadata = header["metadata"]
         self.geometry = geometry_from_config(self.config, source=str(self.path))
         self.check_against_config()
+
+    def _header(self) -> dict:
+        """Config, tensor table and a few metadata keys, read once per version of the file: parsing a
+        GGUF's header (its whole vocabulary, twice: gguf-py's and transformers') takes seconds."""
+        from ..atomic import write_json
+
+        memo, key = _header_memo_path(self.path)
+        try:
+            header = json.loads(memo.read_text(encoding="utf-8"))
+            if isinstance(header, dict) and header.get("key") == key:
+                return header
+        except (OSError, ValueError):
+            pass
+        reader = self._gguf
+        tensors = [[t.name, [int(d) for d in reversed(t.shape)], t.tensor_type.name, int(t.n_bytes)]
+                   for t in reader.tensors]
+        header = {"key": key, "config": self._hf_config.to_dict(), "tensors": tensors,
+                  "metadata": {k: _field(reader, k) for k in MEMO_METADATA}}
+        try:
+            header = json.loads(json.dumps(header))  # the same plain values whether parsed or remembered
+        except (TypeError, ValueError):
+            return header
+        try:
+            write_json(memo, header)
+        except (CardfitError, OSError):
+            pass  # a read-only cache only costs parsing again
+        return header
+
+    @cached_property
+    def _gguf(self):
+        return _reader(self.path)
+
+    @cached_property
+    def _hf_config(self):
+        return transformers_config(self.path, self._gguf)
 
     @cached_property
     def _by_name(self):
@@ -160,17 +221,17 @@ class GgufSource(ModelSource):
 
     def tensors(self) -> list[TensorInfo]:
         derived = _derived_tensor_names()
-        return [TensorInfo(t.name, tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name,
-                           int(t.n_bytes), group_of(t.name)) for t in self._gguf.tensors if t.name not in derived]
+        return [t for t in self._all if t.name not in derived]
 
     @property
     def stored_bytes(self) -> int:
         """Every tensor the file holds, the converter's rotary factors included."""
-        return sum(int(t.n_bytes) for t in self._gguf.tensors)
+        return sum(t.nbytes for t in self._all)
 
     def metadata(self, key: str):
-        field = self._gguf.get_field(key)
-        return None if field is None else field.contents()
+        if key in self._metadata:
+            return self._metadata[key]
+        return _field(self._gguf, key)
 
     def runnable(self):
         """This model as an f16 Hugging Face directory source, converted once into the cache."""
