@@ -37,10 +37,6 @@ class ActivationCache:
         with safe_open(str(self._dir / f"{point}-{batch}.safetensors"), framework="pt") as f:
             return f.get_tensor("h")
 
-    @property
-    def spilled(self) -> bool:
-        return self._dir is not None
-
     def close(self) -> None:
         self.memory.clear()
         if self._dir is not None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from .formats import Calibration
-from .sources import EMBED, NORM, ModelSource
+from .groups import EMBED, NORM, GroupId
+from .sources import ModelSource
 
 
 class LayerCalibration:
@@ -32,14 +33,14 @@ class LayerCalibration:
         """Per-tensor statistics of decoder layer `index` on the current hidden states."""
         from .quant.model import layer_statistics
 
-        names = [t.name for t in self.stream.groups[f"layers.{index}"] if len(t.shape) == 2]
+        names = [t.name for t in self.stream.groups[GroupId.layer_group(index)] if len(t.shape) == 2]
         stats = layer_statistics(self.stream, index, names, self.method, self.hidden, self.awq_samples, seed=index)
         return {n: stats.calibration(n) for n in names}
 
     @torch.no_grad()
     def advance(self, index: int, overrides: dict[str, torch.Tensor] | None = None) -> None:
         """Move the hidden states through layer `index` (with quantized weights when given)."""
-        with self.stream.resident(f"layers.{index}", overrides):
+        with self.stream.resident(GroupId.layer_group(index), overrides):
             self.hidden = [self.stream.run_layer(index, h) for h in self.hidden]
 
     @torch.no_grad()

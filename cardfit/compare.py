@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from .errors import CardfitError
+from .schemas import content_hash
 from .units import format_bytes
 
 DEFAULT_PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
@@ -271,7 +272,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         except CardfitError as exc:
             return {"name": name, "kind": "cardfit", "against": best["name"], "error": str(exc)}
         mine = out / f"cardfit{tag}-{label}.gguf"
-        recipe_hash = "sha256:" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+        recipe_hash = content_hash(recipe)
         cache.ensure(mine, artifact_key("cardfit", **made_from, recipe=recipe_hash, imatrix=imatrix_key),
                      lambda: pack(recipe, model, mine, force=True, progress=False, smoke=False,  # measured below
                                   imatrix=imatrix_file))

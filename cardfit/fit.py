@@ -8,11 +8,11 @@ each artifact was packed from). Ctrl-C at any point leaves a state a rerun conti
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from .errors import CardfitError
+from .schemas import content_hash
 from .units import format_bytes
 
 # The embedded model (SmolLM2-135M, 136 MiB at Q8_0) on a ceiling that squeezes it: 768 MiB minus
@@ -103,7 +103,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
 
     _say(log, "\n== 4. pack")
     artifact = out / target.artifact_name
-    recipe_hash = "sha256:" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+    recipe_hash = content_hash(recipe)
     if artifact.exists() and state.get("packed_from") == recipe_hash and state.get("pack"):
         packed = state["pack"]
         _say(log, f"{artifact} is already packed from this recipe; skipped")
@@ -140,7 +140,7 @@ def _refined(recipe, sensitivity, state, state_path, out, model, calibration, to
     from .atomic import write_json
     from .refine import refine
 
-    plain_hash = "sha256:" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+    plain_hash = content_hash(recipe)
     saved = out / "recipe.json"
     if state.get("refined_from") == plain_hash and saved.exists():
         _say(log, "refinement of this plan already measured; reused")
@@ -157,6 +157,8 @@ def _refined(recipe, sensitivity, state, state_path, out, model, calibration, to
 
 def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dict | None, artifact: Path) -> str:
     """report.md: what was fitted, how, and what it measurably cost."""
+    from .plan import stored_types
+
     formats = sensitivity["formats"]
     lines = [f"# cardfit report: {sensitivity['model']['name']}", "",
              "## Budget", "", "| | |", "|---|---|",
@@ -169,12 +171,15 @@ def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dic
              f"tensors + {format_bytes(recipe['reserved_bytes'])} reserved for file metadata, margin "
              f"{format_bytes(recipe['margin_bytes'])} under; predicted damage {recipe['predicted_damage']:.4f} "
              f"(summed KL over {sensitivity['calibration']['tokens']} calibration tokens).", "",
-             "| group | format | bytes | predicted damage | " + " | ".join(f"damage @ {f}" for f in formats) + " |",
+             "`stored as`: the types each group is really written as (the chosen format, then fallbacks for rows "
+             "its block does not divide; a group of 1-D tensors, such as the final norm, stays unquantized).", "",
+             "| group | stored as | bytes | predicted damage | " + " | ".join(f"damage @ {f}" for f in formats) + " |",
              "|---|---|---|---|" + "---|" * len(formats)]
     cells = {g["name"]: g["cells"] for g in sensitivity["groups"]}
     for g in recipe["groups"]:
         row = " | ".join(f"{cells[g['name']][f]['damage']:.5f}" for f in formats)
-        lines.append(f"| {g['name']} | {g['format']} | {format_bytes(g['bytes'])} | {g['damage']:.5f} | {row} |")
+        stored = " + ".join(stored_types(g))
+        lines.append(f"| {g['name']} | {stored} | {format_bytes(g['bytes'])} | {g['damage']:.5f} | {row} |")
     lines += ["", "## Artifact", "", f"`{artifact.name}` ({packed['format']}, {packed['method']} rounding): "
               f"{format_bytes(packed['counted_bytes'])}, margin {format_bytes(packed['margin_bytes'])} under the weight budget."]
     if packed.get("smoke"):

@@ -18,7 +18,8 @@ import torch
 
 from .errors import CardfitError
 from .formats import Calibration
-from .sources import LM_HEAD, ModelSource
+from .groups import LM_HEAD, GroupId
+from .sources import ModelSource
 
 
 def gguf_tensor_names(source: ModelSource) -> dict[str, str]:
@@ -131,7 +132,7 @@ class ImatrixFile:
         self._layer_of = {t.name: t.group for t in source.tensors()}
 
     def statistics(self, index: int) -> dict[str, Calibration]:
-        group = f"layers.{index}"
+        group = GroupId.layer_group(index)
         return {n: Calibration(imatrix=m) for n, m in self.means.items() if self._layer_of[n] == group}
 
     def advance(self, index: int, overrides=None) -> None:

@@ -11,8 +11,6 @@ scanning per tensor for vLLM) with equality constraints — constraints, not fix
 from __future__ import annotations
 
 import fnmatch
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +18,8 @@ import numpy as np
 
 from .errors import CardfitError
 from .formats import get_format
+from .schemas import RECIPE_VERSION, content_hash, model_header
 from .targets import get_target
-from .schemas import RECIPE_VERSION
 from .units import format_bytes
 
 
@@ -196,7 +194,7 @@ def frontier(problem: Problem, max_points: int = 1000) -> list[dict]:
 
 
 def map_hash(data: dict) -> str:
-    return "sha256:" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+    return content_hash(data)
 
 
 def parse_assignments(items: list[str] | None, flag: str) -> dict[str, str]:
@@ -234,6 +232,15 @@ def plan(map_path: str | Path | dict, weight_budget: int, formats: list[str] | N
         raise CardfitError(no_fit_message(weight_budget, minimum_bytes(problem) + reserve_bytes),
                            "raise --vram, lower --context, or allow smaller --formats")
     uniform = {f: int(problem.bytes[:, j].sum()) for j, f in enumerate(problem.formats)}
+    groups = []
+    for g, c in enumerate(solution.choice):
+        fmt = problem.formats[c]
+        group = {"name": problem.groups[g], "format": fmt, "bytes": int(problem.bytes[g, c]),
+                 "damage": float(problem.damage[g, c]), "largest_bytes": int(problem.bytes[g].max())}
+        storage = data["groups"][g].get("storage")  # the types really written; older maps lack it
+        if storage and fmt in storage:
+            group["stored_as"] = list(storage[fmt])
+        groups.append(group)
     return {
         "cardfit_recipe": RECIPE_VERSION,
         "map": {"sha256": map_hash(data), "model": data["model"], "calibration": data["calibration"],
@@ -250,20 +257,38 @@ def plan(map_path: str | Path | dict, weight_budget: int, formats: list[str] | N
         "reserved_bytes": int(reserve_bytes),
         "margin_bytes": int(weight_budget - reserve_bytes - solution.bytes),
         "uniform_bytes": uniform,
-        "groups": [{"name": problem.groups[g], "format": problem.formats[c], "bytes": int(problem.bytes[g, c]),
-                    "damage": float(problem.damage[g, c]), "largest_bytes": int(problem.bytes[g].max())}
-                   for g, c in enumerate(solution.choice)],
+        "groups": groups,
     }
+
+
+# Unquantized types: what 1-D tensors (norms) are stored as beside a group's quantized matrices.
+PLAIN_TYPES = ("F32", "F16", "BF16")
+
+
+def stored_types(group: dict) -> list[str]:
+    """What a recipe group is really stored as, its main type first: the chosen format when its matrices
+    take it, then the fallbacks taken by rows its block does not divide. Unquantized types (the 1-D
+    tensors beside the matrices) are named only when nothing else is: a norm group planned "at Q2_K"
+    is ["F32"]. A recipe planned from a map without `storage` gives just its format."""
+    stored = group.get("stored_as")
+    if not stored:
+        return [group["format"]]
+    quantized = [t for t in stored if t not in PLAIN_TYPES] or list(stored)
+    own = [group["format"]] if group["format"] in quantized else []
+    return own + [t for t in quantized if t not in own]
 
 
 def render_recipe(recipe: dict) -> str:
     top = max(recipe["uniform_bytes"], key=recipe["uniform_bytes"].get)
-    # A group stored the same whatever the format (a norm kept in F32) counts as at the top format.
-    shown = [top if g["bytes"] == g["largest_bytes"] else g["format"] for g in recipe["groups"]]
+    # Each group counts at what it is stored as (a norm kept in F32 as F32); a recipe without `stored_as`
+    # counts a group stored the same whatever the format at the top format, as before.
+    shown = [stored_types(g)[0] if g.get("stored_as") else top if g["bytes"] == g.get("largest_bytes") else g["format"]
+             for g in recipe["groups"]]
     counts: dict[str, int] = {}
     for fmt in shown:
         counts[fmt] = counts.get(fmt, 0) + 1
-    downgrades = sum(1 for fmt in shown if fmt != top)
+    # A downgrade is a group stored smaller than at the top format; one whose bytes no format changes is none.
+    downgrades = sum(1 for g in recipe["groups"] if g["format"] != top and g["bytes"] != g.get("largest_bytes"))
     lines = [f"weight budget {format_bytes(recipe['budget']['weight_budget_bytes'])}",
              f"result {format_bytes(recipe['bytes'])}, " + " and ".join(f"{n} at {f}" for f, n in counts.items()),
              f"downgrades from {top}: {downgrades}", f"predicted damage {recipe['predicted_damage']:.4f}",
@@ -291,9 +316,7 @@ def uniform_recipe(source, format_name: str, weight_budget: int | None = None) -
 
         weight_budget = total + reserve_bytes(source, fmt.runtime)
     budget = int(weight_budget)
-    model = {"fingerprint": source.fingerprint(), "model_type": source.geometry.model_type,
-             "name": source.path.name, "tied_embeddings": source.tied_embeddings,
-             "num_layers": source.geometry.num_layers}
+    model = model_header(source)
     return {"cardfit_recipe": RECIPE_VERSION, "source": "uniform",
             "map": {"sha256": None, "model": model, "calibration": None, "rounding": "rtn"},
             "runtime": fmt.runtime, "budget": {"weight_budget_bytes": budget},

@@ -9,7 +9,8 @@ from .errors import CardfitError
 from .formats import Format, get_format
 from .maps import check_map_model, read_json
 from .sizes import priced_tensors
-from .sources import EMBED, LM_HEAD, ModelSource
+from .groups import EMBED, LM_HEAD, GroupId
+from .sources import ModelSource
 
 
 def read_recipe(path: str | Path) -> dict:
@@ -38,7 +39,8 @@ def tensor_formats(recipe: dict, source: ModelSource) -> dict[str, Format]:
         group = t.group
         if group == LM_HEAD and source.tied_embeddings:
             group = EMBED
-        for key in (t.name, f"{group}.fixed" if len(t.shape) < 2 else None, group):
+        fixed = GroupId.fixed_group(t.group.layer) if len(t.shape) < 2 and t.group.layer is not None else None
+        for key in (t.name, fixed, group):
             if key is not None and key in chosen:
                 out[t.name] = chosen[key]
                 break

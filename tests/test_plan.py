@@ -79,7 +79,7 @@ def test_frontier_is_exact_and_monotone():
 def test_plan_on_a_real_scan(tiny_models, tmp_path, run_cli):
     import json
 
-    from test_scan import FORMATS, run_scan, small_text
+    from test_scan import run_scan, small_text
 
     out = tmp_path / "map.json"
     data = run_scan(tiny_models["llama"], small_text(tmp_path), out)
@@ -106,3 +106,47 @@ def test_frontier_plot_renders(tmp_path):
     plot_frontier(points, problem, path, chosen=(points[1]["bytes"], points[1]["damage"]))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_recipe_says_what_is_stored(tiny_model, calib_text, tmp_path):
+    """A norm planned "at Q2_K" is stored F32: the recipe's `stored_as`, plan's summary and fit's report say so."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from cardfit.fit import render_report
+    from cardfit.plan import plan, render_recipe
+    from cardfit.scan import scan
+
+    data = scan(tiny_model("llama"), calib_text, max_tokens=128, seq_len=64, formats="Q8_0,Q2_K",
+                out=tmp_path / "map.json", progress=False)
+    low, high = (sum(g["bytes"][f] for g in data["groups"]) for f in ("Q2_K", "Q8_0"))
+    recipe = plan(tmp_path / "map.json", (low + high) // 2)
+    storage = {g["name"]: g["storage"] for g in data["groups"]}
+    groups = {g["name"]: g for g in recipe["groups"]}
+    for name, g in groups.items():
+        assert g["stored_as"] == storage[name][g["format"]]  # the map's own storage at the chosen format
+    norm = groups["norm"]
+    assert norm["stored_as"] == ["F32"] and norm["bytes"] == norm["largest_bytes"]
+    layer = groups["layers.0"]
+    assert layer["format"] in ("Q8_0", "Q2_K") and "F32" in layer["stored_as"]  # its matrices, and its norms
+
+    summary = render_recipe(recipe)
+    assert "1 at F32" in summary and "at Q2_K" not in summary  # rows of 64 that Q2_K cannot block store as Q4_0
+    downgrades = sum(1 for g in recipe["groups"] if g["format"] == "Q2_K" and g["bytes"] < g["largest_bytes"])
+    assert f"downgrades from Q8_0: {downgrades}" in summary
+
+    b = SimpleNamespace(vram_bytes=2**30, context=512, batch=1, kv_dtype="f16", kv_bytes=0, runtime="llama.cpp",
+                        overhead_bytes=0, weight_budget_bytes=recipe["budget"]["weight_budget_bytes"])
+    packed = {"format": "gguf", "method": "rtn", "counted_bytes": recipe["bytes"], "margin_bytes": 0}
+    report = render_report(b, data, recipe, packed, None, Path("model.gguf"))
+    assert "| norm | F32 |" in report and "| group | stored as |" in report
+    assert f"| layers.0 | {'Q8_0' if layer['format'] == 'Q8_0' else 'Q4_0'} |" in report
+
+    # a map without `storage` (older scans) plans as before, without `stored_as`
+    for g in data["groups"]:
+        g.pop("storage")
+    old = plan(data, (low + high) // 2)
+    assert all("stored_as" not in g for g in old["groups"])
+    assert [(g["name"], g["format"], g["bytes"]) for g in old["groups"]] == \
+        [(g["name"], g["format"], g["bytes"]) for g in recipe["groups"]]
+    assert "downgrades from Q8_0" in render_recipe(old)

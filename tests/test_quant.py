@@ -5,9 +5,34 @@ import torch
 
 from cardfit.errors import CardfitError
 from cardfit.formats import Calibration, get_format
-from cardfit.quant import DeviceArena, gptq_quantize, hessian_from_inputs
+from cardfit.quant import DeviceArena, gptq_quantize
 
 NAME = "model.layers.0.mlp.up_proj.weight"
+
+
+def hessian_from_inputs(inputs):
+    """X^T X / n, the (scaled) GPTQ Hessian of a layer's inputs."""
+    x = inputs.detach().reshape(-1, inputs.shape[-1]).to(torch.float32)
+    return x.T @ x / x.shape[0]
+
+
+def imatrix_from_inputs(inputs):
+    """llama.cpp's importance matrix: the mean of x^2 per input column."""
+    x = inputs.detach().reshape(-1, inputs.shape[-1]).to(torch.float32)
+    return (x * x).mean(dim=0)
+
+
+def layer_errors(name, weight, inputs, formats, methods=("rtn", "gptq", "awq", "imatrix")):
+    """{format: {method: ||X W^T - X Wq^T||^2 / ||X W^T||^2}} for the methods each format takes."""
+    x = inputs.reshape(-1, inputs.shape[-1]).to(torch.float32)
+    w = weight.to(torch.float32)
+    calibration = Calibration(imatrix=imatrix_from_inputs(x), hessian=hessian_from_inputs(x), inputs=x[:4096])
+    out = {}
+    for fmt_name in formats:
+        fmt = get_format(fmt_name)
+        out[fmt.name] = {method: output_error(x, w, fmt.roundtrip(name, w, calibration, method))
+                         for method in methods if method in fmt.methods()}
+    return out
 
 
 def correlated_inputs(tokens, width, seed=0):
@@ -120,8 +145,6 @@ def test_gptq_runs_on_cuda(layer):
 
 
 def test_layer_errors_table_on_real_inputs(layer):
-    from cardfit.quant.layer_eval import layer_errors
-
     x, w, _ = layer
     table = layer_errors(NAME, w, x, ["W4A16-g128", "Q4_K", "Q8_0"])
     assert set(table["W4A16-g128"]) == {"rtn", "gptq", "awq"}

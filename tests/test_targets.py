@@ -117,3 +117,60 @@ def test_no_module_outside_the_targets_names_a_runtime():
                                                   for k in node.keys):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == [], offenders
+
+
+def test_group_ids_parse_and_format_in_one_place():
+    from cardfit.groups import EMBED, LM_HEAD, NORM, GroupId, group_of
+
+    layer = GroupId.layer_group(7)
+    assert layer == "layers.7" and layer.kind == "layer" and layer.layer == 7
+    assert GroupId("layers.7") == layer and GroupId("layers.7").layer == 7
+    fixed = GroupId.fixed_group(3)
+    assert fixed == "layers.3.fixed" and fixed.kind == "fixed" and fixed.layer == 3
+    tensor = GroupId.tensor_group("model.layers.12.self_attn.q_proj.weight")
+    assert tensor.kind == "tensor" and tensor.layer == 12 and tensor.tensor.endswith("q_proj.weight")
+    assert group_of("blk.5.attn_q.weight") == "layers.5" and group_of("token_embd.weight") is EMBED
+    assert group_of("lm_head.weight") is LM_HEAD and group_of("model.norm.weight") is NORM
+    names = ["norm", "layers.10", "lm_head", "layers.2", "embed", "layers.2.fixed"]
+    assert sorted(names, key=lambda n: GroupId(n).sort_key) == ["embed", "layers.2", "layers.2.fixed", "layers.10",
+                                                               "norm", "lm_head"]
+    assert json.dumps({layer: 1}) == '{"layers.7": 1}'  # a str: maps and recipes keep their names byte for byte
+
+
+def test_no_module_builds_or_parses_group_names_by_hand():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parent.parent / "cardfit"
+    pattern = re.compile(r'f"layers\.\{|\.split\("\."\)\[1\]|startswith\("layers\."\)')
+    offenders = [f"{p.name}:{n}" for p in root.rglob("*.py") if p.name != "groups.py"
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == [], offenders
+
+
+def test_docs_formats_describes_the_schemas():
+    """Every field docs/formats.md shows in its map and recipe examples is a field of the schema that reads
+    them, and every field the schemas require is shown: the document and the code cannot drift apart."""
+    import pathlib
+    import re
+
+    from cardfit.schemas import Recipe, SensitivityMap
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "formats.md").read_text()
+    blocks = re.findall(r"```json\n(.*?)```", doc, re.S)
+    shown = {}
+    for block in blocks:
+        data = json.loads(block)
+        kind = "map" if "cardfit_map" in data else "recipe" if "cardfit_recipe" in data else None
+        if kind:
+            shown[kind] = data
+    for kind, schema in (("map", SensitivityMap), ("recipe", Recipe)):
+        fields = schema.model_fields
+        assert set(shown[kind]) <= set(fields), (kind, set(shown[kind]) - set(fields))
+        required = {name for name, f in fields.items() if f.is_required()}
+        assert required <= set(shown[kind]), (kind, required - set(shown[kind]))
+        group_fields = fields["groups"].annotation.__args__[0].model_fields if hasattr(
+            fields["groups"].annotation, "__args__") else None
+        example_group = shown[kind]["groups"][0]
+        if group_fields:
+            assert set(example_group) <= set(group_fields), (kind, set(example_group) - set(group_fields))

@@ -88,10 +88,6 @@ def row_size(type_name: str, n_per_row: int) -> int:
     return int(ggml().ggml_row_size(ggml_type(type_name), n_per_row))
 
 
-def requires_imatrix(type_name: str) -> bool:
-    return bool(ggml().ggml_quantize_requires_imatrix(ggml_type(type_name)))
-
-
 def quantize(type_name: str, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
     """llama.cpp's quantization of a (nrows, n_per_row) f32 matrix -> the raw block bytes."""
     src = np.ascontiguousarray(rows, dtype=np.float32)

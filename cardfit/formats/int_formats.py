@@ -133,10 +133,6 @@ class IntGroupFormat(Format):
             zero = torch.clamp(self.qmin - torch.round(lo / scale), self.qmin, self.qmax)
         return scale, zero
 
-    def fake(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        q = torch.clamp(torch.round(w / scale) + zero, self.qmin, self.qmax)
-        return (q - zero) * scale
-
     def grouped(self, w: torch.Tensor):
         """Yield (column slice) for each group of the input dimension."""
         in_f = w.shape[1]

@@ -71,12 +71,3 @@ class Int8RowFormat(Format):
         w = weight.detach().to(torch.float32)
         scale = w.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
         return torch.clamp(torch.round(w / scale), -127, 127) * scale
-
-
-def bitsandbytes_available() -> bool:
-    """Whether bitsandbytes itself imports here; cardfit never requires it."""
-    try:
-        import bitsandbytes  # noqa: F401
-    except Exception:  # a broken CUDA setup raises all sorts of errors at import
-        return False
-    return True

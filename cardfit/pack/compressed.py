@@ -20,6 +20,7 @@ import torch
 
 from ..errors import CardfitError
 from ..formats import DenseFormat, IntGroupFormat, is_decoder_linear
+from ..groups import GroupId
 from ..sources import ModelSource, group_sort_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -103,8 +104,6 @@ def compress_tensor(name: str, weight: torch.Tensor, fmt, calibration, method: s
 def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: int | None, method: str = "rtn",
                      calibration=None, progress=None) -> dict:
     """Write the checkpoint into `out_dir` (a temporary directory: the caller renames it into place)."""
-    from safetensors.torch import save_file
-
     for name, fmt in formats.items():
         if not isinstance(fmt, (IntGroupFormat, DenseFormat)):
             raise CardfitError(f"format {fmt.name} of {name} is not a compressed-tensors format",
@@ -119,7 +118,7 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
     groups = [g for g in source.groups().items() if any(t.name in formats for t in g[1])]
     weight_map, total = {}, 0
     for k, (group, tensors) in enumerate(groups):
-        layer = int(group.split(".")[1]) if group.startswith("layers.") else None
+        layer = GroupId(group).layer
         stats = calibration.statistics(layer) if calibration is not None and layer is not None else {}
         shard: dict[str, torch.Tensor] = {}
         effective: dict[str, torch.Tensor] = {}
@@ -128,7 +127,8 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
             from .awq_fold import fold_layer
 
             names = [t.name for t in tensors if t.name in formats]
-            prefix = names[0].split(f"layers.{layer}.")[0] + f"layers.{layer}."
+            marker = f"{GroupId.layer_group(layer)}."  # HF names hold the group's name: model.layers.N.
+            prefix = names[0].split(marker)[0] + marker
             folded = fold_layer(prefix, {n: source.read(n) for n in names}, stats, formats, source.config)
         for t in tensors:
             if t.name not in formats:

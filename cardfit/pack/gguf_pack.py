@@ -14,7 +14,8 @@ import numpy as np
 from ..errors import CardfitError
 from ..formats import GgmlFormat
 from ..formats.gguf_formats import ggml_tensor_bytes, ggml_type, llama_file_type
-from ..sources import EMBED, LM_HEAD, NORM, ModelSource, group_of
+from ..groups import LM_HEAD, GroupId, group_of
+from ..sources import ModelSource
 from .gguf_arch import ArchSpec
 from .gguf_vocab import add_vocab, loadable_name
 
@@ -27,12 +28,7 @@ def _pad(n: int) -> int:
 
 def ordered_tensors(source: ModelSource, formats: dict) -> list:
     """Write order: embedding, decoder layers in order, final norm, output (llama.cpp's converter order)."""
-    rank = {EMBED: 0, NORM: 2, LM_HEAD: 3}
-    def key(t):
-        if t.group.startswith("layers."):
-            return (1, int(t.group.split(".")[1]))
-        return (rank.get(t.group, 4), 0)
-    return sorted((t for t in source.tensors() if t.name in formats), key=key)
+    return sorted((t for t in source.tensors() if t.name in formats), key=lambda t: GroupId(t.group).sort_key)
 
 
 class GgufPlan:
@@ -184,6 +180,5 @@ def _check_free_space(path, needed: int) -> None:
 
 
 def _layer_index(name: str) -> int | None:
-    group = group_of(name)
-    return int(group.split(".")[1]) if group.startswith("layers.") else None
+    return group_of(name).layer
 

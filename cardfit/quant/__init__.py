@@ -8,9 +8,6 @@ from ..errors import CardfitError
 from .awq import awq_search
 from .device import DeviceArena
 from .gptq import gptq_quantize
-from .imatrix import ImatrixCollector, hessian_from_inputs, imatrix_from_inputs
-
-METHODS = ("rtn", "gptq", "awq", "imatrix")
 
 
 def quantize_int(fmt, weight: torch.Tensor, calibration=None, method: str = "rtn", *,
@@ -41,5 +38,4 @@ def quantize_int(fmt, weight: torch.Tensor, calibration=None, method: str = "rtn
                        "integer formats take --method rtn, gptq or awq")
 
 
-__all__ = ["METHODS", "quantize_int", "gptq_quantize", "awq_search", "DeviceArena", "ImatrixCollector",
-           "hessian_from_inputs", "imatrix_from_inputs"]
+__all__ = ["quantize_int", "gptq_quantize", "awq_search", "DeviceArena"]

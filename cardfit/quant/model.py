@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..formats import Calibration, Format
-from ..sources import EMBED, LM_HEAD
+from ..groups import EMBED, LM_HEAD, GroupId
 from .awq import awq_search
 
 
@@ -77,7 +77,7 @@ class _LinearStats:
 def layer_statistics(stream, index: int, names: list[str], method: str, hidden, awq_samples: int = 4096,
                      seed: int = 0) -> _LinearStats:
     """Run decoder layer `index` over every batch of `hidden`, recording what `method` needs of `names`."""
-    with stream.resident(f"layers.{index}"):
+    with stream.resident(GroupId.layer_group(index)):
         stats = _LinearStats(stream, names, method, awq_samples, seed=seed)
         try:
             for j, h in enumerate(hidden):
@@ -101,7 +101,7 @@ def quantize_model(stream, chunks: torch.Tensor, format_for: Callable[[str], For
     overrides: dict[str, torch.Tensor] = {}
     hidden = [stream.embed(chunks[i:i + batch]) for i in range(0, len(chunks), batch)]
     for index in range(len(stream.layers)):
-        group = f"layers.{index}"
+        group = GroupId.layer_group(index)
         names = [t.name for t in stream.groups[group] if len(t.shape) == 2 and format_for(t.name) is not None]
         stats = layer_statistics(stream, index, names, method, hidden, awq_samples, seed=index)
         for shared in stats.input_groups():

@@ -18,7 +18,7 @@ import torch
 from ..architecture import ModelGeometry
 from ..errors import CardfitError
 
-EMBED, NORM, LM_HEAD, OTHER = "embed", "norm", "lm_head", "other"
+from ..groups import EMBED, LM_HEAD, NORM, OTHER, GroupId, group_of, group_sort_key  # noqa: F401  (re-exported)
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -38,26 +38,6 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
-
-
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
-
-
-def group_of(name: str) -> str:
-    """Layer group of an HF or GGUF tensor name: embed, layers.N, norm, lm_head or other."""
-    match = _LAYER.search(name)
-    if match:
-        return f"layers.{int(match.group(1))}"
-    if "vision" in name or "visual" in name or "multi_modal" in name or "audio" in name:
-        return OTHER
-    if name.endswith(("embed_tokens.weight", "wte.weight", "token_embd.weight", "tok_embeddings.weight")):
-        return EMBED
-    if name.startswith("lm_head") or name in ("output.weight",) or name.endswith(".lm_head.weight"):
-        return LM_HEAD
-    if name.endswith(("model.norm.weight", "norm_f.weight", "ln_f.weight", "output_norm.weight",
-                      "final_layernorm.weight")) or name == "norm.weight":
-        return NORM
-    return OTHER
 
 
 # Tensors that are not the language model's decoder: vision/audio towers, multi-token-prediction heads.
@@ -92,15 +72,8 @@ def _decoder_tensor(name: str) -> bool:
 def _span(indices: list[int]) -> str:
     if not indices:
         return "none"
-    return f"layers.{indices[0]}" if len(indices) == 1 else f"layers.{indices[0]}..layers.{indices[-1]}"
-
-
-def group_sort_key(group: str) -> tuple:
-    if group == EMBED:
-        return (0, 0)
-    if group.startswith("layers."):
-        return (1, int(group.split(".")[1]))
-    return {NORM: (2, 0), LM_HEAD: (3, 0)}.get(group, (4, 0))
+    first, last = GroupId.layer_group(indices[0]), GroupId.layer_group(indices[-1])
+    return first if len(indices) == 1 else f"{first}..{last}"
 
 
 class ModelSource:
@@ -134,7 +107,7 @@ class ModelSource:
         fix = "use the config.json that came with these weights (or re-download the model)"
         decoder = [t for t in self.tensors() if _decoder_tensor(t.name)]
 
-        indices = sorted({int(t.group.split(".")[1]) for t in decoder if t.group.startswith("layers.")})
+        indices = sorted({GroupId(t.group).layer for t in decoder if GroupId(t.group).in_layer})
         nextn = g.raw.get("num_nextn_predict_layers") or 0
         missing = [i for i in range(g.num_layers) if i not in set(indices)]
         beyond = [i for i in indices if i >= g.num_layers + nextn]
@@ -158,7 +131,7 @@ class ModelSource:
         if self.config.get("quantization_config") is not None:
             return  # pre-quantized checkpoints store packed projections of other shapes
         for t in decoder:
-            if len(t.shape) != 2 or t.dtype in _PACKED_DTYPES or not t.group.startswith("layers."):
+            if len(t.shape) != 2 or t.dtype in _PACKED_DTYPES or not GroupId(t.group).in_layer:
                 continue
             role = next((r for suffix, r in _PROJECTIONS.items() if t.name.endswith("." + suffix)), None)
             if role is None:
