@@ -111,3 +111,8 @@ def render_budget(b: Budget) -> str:
             lines.append(f"  {name:<11} {format_bytes(size):>11}  {verdict}")
         lines.append(f"  minimum achievable for {b.runtime}: {format_bytes(b.sizes['minimum_bytes'][b.runtime])}")
     return "\n".join(lines)
+
+
+from .stage import callable_stage  # noqa: E402
+
+callable_stage(__name__)

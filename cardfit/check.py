@@ -66,7 +66,7 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
               "perplexity": _finite(meter.perplexity), "finite_logits": finite}
     if not smoke:
         report.update({"reference": str(reference), "reference_perplexity": _finite(meter.ref_perplexity),
-                       "kld_mean": meter.kl, "kld_stderr": meter.kl_stderr, "kld_p99": meter.kl_quantile(0.99),
+                       "kld_mean": meter.kl, "kld_stderr": _finite(meter.kl_stderr), "kld_p99": meter.kl_quantile(0.99),
                        "top1": meter.top1, "predicted_damage": predicted_damage})
     report["verdict"], report["reasons"] = _verdict(report, ceiling, min_top1, max_kld)
     report["thresholds"] = {"ceiling": ceiling, "min_top1": None if smoke else min_top1, "max_kld": max_kld}
@@ -143,3 +143,8 @@ def smoke_check(artifact: Path, tokenizer_dir: Path, kind: str, ceiling: float =
                            "); nothing was written", "check the recipe's formats and the model; "
                            "--no-smoke skips this check")
     return report
+
+
+from .stage import callable_stage  # noqa: E402
+
+callable_stage(__name__)

@@ -110,7 +110,7 @@ def sizes_command(
 
 @app.command("scan")
 def scan_command(
-    model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
+    model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or cached hub id (default: the embedded model)."),
     calibration: Optional[str] = typer.Option(None, help="UTF-8 prose (default: the bundled calibration text)."),
     max_tokens: int = typer.Option(8192, min=1, help="Calibration tokens to measure over."),
     formats: str = typer.Option("Q8_0,Q6_K,Q4_K,Q3_K,Q2_K", help="Comma-separated formats of one runtime."),
@@ -273,7 +273,7 @@ def pack_command(
 
 @app.command("imatrix")
 def imatrix_command(
-    model: Optional[str] = typer.Argument(None, help="Model directory or GGUF (default: the embedded model)."),
+    model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or cached hub id (default: the embedded model)."),
     calibration: Optional[str] = typer.Option(None, help="Calibration text (default: bundled)."),
     max_tokens: int = typer.Option(8192, min=1, help="Calibration tokens."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per chunk (llama.cpp's imatrix.chunk_size)."),
@@ -332,7 +332,7 @@ def check_command(
 
 @app.command("fit")
 def fit_command(
-    model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
+    model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or cached hub id (default: the embedded model)."),
     vram: Optional[str] = typer.Option(None, help="The card's memory (default for the embedded model: 768MiB)."),
     context: int = typer.Option(8192, help="Context length in tokens per sequence."),
     batch: int = typer.Option(1, min=1, help="Concurrent sequences whose KV cache must fit."),
@@ -357,7 +357,7 @@ def fit_command(
 
 @app.command("compare")
 def compare_command(
-    model: Optional[str] = typer.Argument(None, help="Model directory or hub id (default: the embedded model)."),
+    model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or cached hub id (default: the embedded model)."),
     out: str = typer.Option("compare-out", help="Directory for the files and the table."),
     map_path: Optional[str] = typer.Option(None, "--map", help="A llama.cpp sensitivity map (default: scan one)."),
     presets: str = typer.Option(",".join(DEFAULT_PRESETS), help="llama.cpp presets to meet at equal bytes."),

@@ -343,7 +343,7 @@ def render_compare(result: dict) -> str:
         reduction = (f"{-r['kld_reduction']:+.1%} vs {r['against']}" if r.get("kld_reduction") is not None else "")
         speed = f"{r['gen_tokens_per_s']:.1f}" if r.get("gen_tokens_per_s") is not None else "—"
         lines.append(f"| {r['name']} | {r['runtime']} | {format_bytes(r['bytes'])} | {r['kld_mean']:.4f} ± "
-                     f"{r['kld_stderr']:.4f} | {r['kld_p99']:.4f} | {r['top1']:.2%} | {r['perplexity']:.3f} | "
+                     f"{r['kld_stderr'] if r['kld_stderr'] is not None else float('nan'):.4f} | {r['kld_p99']:.4f} | {r['top1']:.2%} | {r['perplexity']:.3f} | "
                      f"{speed} | {reduction} |")
     ref = next((r["reference_perplexity"] for r in result["rows"] if "reference_perplexity" in r), None)
     if ref is not None:
@@ -359,3 +359,8 @@ def render_compare(result: dict) -> str:
     notes = sorted({r["speed_note"] for r in result["rows"] if r.get("speed_note")})
     lines += [f"— tok/s: {note}." for note in notes]
     return "\n".join(lines)
+
+
+from .stage import callable_stage  # noqa: E402
+
+callable_stage(__name__)

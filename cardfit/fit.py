@@ -189,7 +189,7 @@ def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dic
         lines += ["", "## Check (measured in the runtime against the reference)", "",
                   "| | predicted | measured |", "|---|---|---|",
                   f"| mean KLD (nats/token) | {recipe['predicted_damage']:.4f} | {checked['kld_mean']:.4f} ± "
-                  f"{checked['kld_stderr']:.4f} |",
+                  f"{checked['kld_stderr'] if checked['kld_stderr'] is not None else float('nan'):.4f} |",
                   f"| p99 KLD | | {checked['kld_p99']:.4f} |",
                   f"| top-1 agreement | | {checked['top1']:.2%} |",
                   f"| perplexity | | {checked['perplexity']:.4f} (reference {checked['reference_perplexity']:.4f}) |",
@@ -199,3 +199,8 @@ def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dic
         lines += ["", "No full check was run (`cardfit fit --check` runs one)."]
     lines += ["", "![sensitivity](sensitivity.png)", "", "![frontier](frontier.png)", ""]
     return "\n".join(lines)
+
+
+from .stage import callable_stage  # noqa: E402
+
+callable_stage(__name__)

@@ -322,3 +322,8 @@ def uniform_recipe(source, format_name: str, weight_budget: int | None = None) -
             "runtime": fmt.runtime, "budget": {"weight_budget_bytes": budget},
             "solver": None, "predicted_damage": None, "bytes": total, "reserved_bytes": 0,
             "margin_bytes": budget - total, "uniform_bytes": {fmt.name: total}, "groups": groups}
+
+
+from .stage import callable_stage  # noqa: E402
+
+callable_stage(__name__)

@@ -183,3 +183,8 @@ def refine(recipe: dict, map_data: dict, model: str | Path | None = None, calibr
 
 def _group(data: dict, name: str) -> dict:
     return next(g for g in data["groups"] if g["name"] == name)
+
+
+from .stage import callable_stage  # noqa: E402
+
+callable_stage(__name__)

@@ -310,7 +310,9 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                 entry["cells"][fmt.name] = {"damage": 0.0, "stderr": 0.0, "top1": 1.0}
             else:
                 meter = scanner.cell(group, scanner.quantized(group, fmt, calibration_stats))
-                entry["cells"][fmt.name] = {"damage": meter.kl, "stderr": meter.kl_stderr, "top1": meter.top1}
+                stderr = meter.kl_stderr  # undefined over a single chunk: recorded as null, not NaN
+                entry["cells"][fmt.name] = {"damage": meter.kl, "stderr": stderr if math.isfinite(stderr) else None,
+                                            "top1": meter.top1}
             write_json(out, result)
             return_freed_memory()
             if bar:
@@ -354,3 +356,8 @@ def _fast_cells(source, chunks, groups, todo, result, out, device, batch) -> dic
     result["complete"] = True
     write_json(out, result)
     return result
+
+
+from .stage import callable_stage  # noqa: E402
+
+callable_stage(__name__)

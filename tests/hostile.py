@@ -748,6 +748,12 @@ _text("check-heldout-empty", "", "empty", "check")
 _text("check-heldout-not-utf8", b"\xc3\x28" * 300, "UTF-8", "check")
 
 
+@case("maps", "stderr-nan-is-refused", needle="stderr")
+def _(ws):
+    bad = ws.spoiled("map.json", _cell0(lambda c: c.update(stderr=float("nan"))))
+    return ["plan", bad, "--weight-budget", "1GiB", "--out", ws.path("r.json")]
+
+
 @case("texts", "max-tokens-below-one-chunk", needle="chunk")
 def _(ws):
     return ["scan", ws.model(), "--calibration", ws.copy("calib.txt"), "--max-tokens", "16", "--seq-len", "64",

@@ -233,3 +233,19 @@ def test_same_inputs_give_byte_identical_map_recipe_and_artifact(tiny_models, tm
     assert outputs[0] == outputs[1]
     assert not math.isnan(json.loads(outputs[0][1])["predicted_damage"])
     assert os.path.getsize(tmp_path / "a" / "model.gguf") > 0
+
+
+def test_a_single_chunk_scan_records_no_stderr_and_plans(tiny_model, calib_text, tmp_path):
+    """One chunk has no spread: its standard error is null (not NaN, which no JSON reader accepts), and the map
+    is a valid map that plans."""
+    from cardfit.plan import plan
+    from cardfit.scan import scan
+
+    sensitivity = scan(tiny_model("llama"), calib_text, max_tokens=64, formats="Q8_0,Q4_K", seq_len=64,
+                       out=tmp_path / "map.json", progress=False)
+    assert sensitivity["calibration"]["chunks"] == 1
+    cells = [c for g in sensitivity["groups"] for c in g["cells"].values()]
+    assert all(c["stderr"] is None for c in cells if c["damage"] > 0)  # measured over one chunk: no spread
+    assert any(c["stderr"] is None for c in cells)
+    assert "NaN" not in (tmp_path / "map.json").read_text()
+    assert plan(tmp_path / "map.json", 10**9)["groups"]

@@ -174,3 +174,18 @@ def test_docs_formats_describes_the_schemas():
         example_group = shown[kind]["groups"][0]
         if group_fields:
             assert set(example_group) <= set(group_fields), (kind, set(example_group) - set(group_fields))
+
+
+def test_the_package_does_not_shadow_its_stage_modules():
+    import importlib
+    import types
+
+    import cardfit
+
+    for name in ("budget", "scan", "plan", "refine", "pack", "check", "compare", "fit"):
+        module = importlib.import_module(f"cardfit.{name}")
+        assert getattr(cardfit, name) is module and isinstance(module, types.ModuleType)
+        assert callable(module)
+    assert cardfit.plan.uniform_recipe is cardfit.uniform_recipe
+    budget = cardfit.budget(None, "1GiB", 1024)  # the stage runs when the module is called
+    assert budget.weight_budget_bytes > 0

@@ -172,3 +172,8 @@ def reserve_bytes(source, runtime: str, scratch_dir: str | Path | None = None) -
     any_format = get_format("Q8_0")  # the tensor table's size does not depend on the types chosen
     plan = GgufPlan(source, {t.name: any_format for t in priced_tensors(source)})
     return plan.reserve_bytes(header_bytes(source, plan, scratch_dir))
+
+
+from ..stage import callable_stage  # noqa: E402
+
+callable_stage(__name__)
