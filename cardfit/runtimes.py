@@ -208,14 +208,12 @@ class VllmRuntime(Runtime):
 
 
 def _refuse_pickles(path: Path) -> None:
-    """A checkpoint directory is loaded from safetensors only: transformers would unpickle a .bin."""
+    """A checkpoint directory is loaded from safetensors only: transformers (and vLLM) would unpickle a .bin."""
     if not any(path.glob("*.safetensors")):
         pickles = [p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(pattern)]
         if pickles:
             raise CardfitError(f"{path} holds only pickle checkpoints ({', '.join(sorted(pickles)[:3])}), "
                                "which cardfit never loads", "convert them to safetensors first, on a trusted machine")
-        raise CardfitError(f"no *.safetensors weights in {path}",
-                           "give a .gguf file or a checkpoint directory with safetensors weights")
 
 
 def open_runtime(path: str | Path, n_ctx: int = 512, device: str = "cpu", kind: str | None = None,

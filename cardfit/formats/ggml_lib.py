@@ -60,8 +60,6 @@ def ggml() -> ctypes.CDLL:
     lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
     lib.ggml_row_size.restype = ctypes.c_size_t
     lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
-    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
-    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
     lib.ggml_type_name.restype = ctypes.c_char_p
     lib.ggml_type_name.argtypes = [ctypes.c_int]
     # gguf-py's enum values and block sizes must be this libggml's, or cardfit would price and

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -69,11 +68,6 @@ def transformers_config(path: Path, reader=None):
         values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "sliding_window", "architectures")}
         config = AutoConfig.for_model("llama", **values)
     return config
-
-
-def gguf_config(path: Path, reader=None) -> dict:
-    """`transformers_config` as the plain dict every source carries."""
-    return transformers_config(path, reader).to_dict()
 
 
 def _derived_tensor_names() -> frozenset[str]:

@@ -48,6 +48,3 @@ class Target:
     load: Callable | None = None  # (path, n_ctx, device) -> a runtime with logits(ids) and close()
     beside: Callable[[Path, dict], dict[str, str]] | None = None  # files written next to the artifact
     reads_by_default: str | None = None  # the kind of file `check` runs in it unless told otherwise
-
-    def serves(self, format_name: str) -> bool:
-        return format_name in self.formats
