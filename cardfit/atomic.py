@@ -31,51 +31,36 @@ def _umask() -> int:
 @contextlib.contextmanager
 def atomic_path(path: str | Path):
     """Yield a temporary file path beside `path`; rename over it only on success."""
-    path = Path(path)
-    _check_parent(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; outputs are ordinary files
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_paths(path) as (tmp,):
+        yield tmp
 
 
 @contextlib.contextmanager
 def atomic_paths(*paths: str | Path | None):
-    """Several outputs of one command as one: temporary paths for each (None stays None), all renamed
+    """Several outputs of one command as one: temporary paths beside each (None stays None), all renamed
     into place only once every one is written, so a failure part-way leaves none of them."""
-    with contextlib.ExitStack() as stack:
-        temps = [None if p is None else stack.enter_context(_staged(Path(p))) for p in paths]
-        yield temps
-        for staged in temps:
-            if staged is not None:
-                staged.ready = True
-
-
-class _Staged(type(Path())):
-    ready = False
-
-
-@contextlib.contextmanager
-def _staged(path: Path):
-    _check_parent(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    os.close(fd)
-    staged = _Staged(tmp)
+    targets = [None if p is None else Path(p) for p in paths]
+    temps: list[Path | None] = []
     try:
-        yield staged
-    finally:
-        if staged.ready:
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, path)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        for path in targets:
+            if path is None:
+                temps.append(None)
+                continue
+            _check_parent(path)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+            os.close(fd)
+            temps.append(Path(tmp))
+        yield temps
+        for tmp, path in zip(temps, targets):
+            if tmp is not None:
+                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; outputs are ordinary files
+                os.replace(tmp, path)
+    except BaseException:
+        for tmp in temps:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        raise
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import Target
+from .vllm import GPU_FORMATS
 
 
 def load_transformers(path: Path, n_ctx: int = 512, device: str = "cpu"):
@@ -17,6 +18,5 @@ def load_transformers(path: Path, n_ctx: int = 512, device: str = "cpu"):
 
 
 TARGET = Target(name="transformers", summary="transformers + compressed-tensors (check's reader of checkpoints)",
-                family="vllm", formats=("BF16-dense", "W8A16", "W8A16-g128", "W4A16-g128", "W4A16-g128-asym",
-                                        "W4A16-g64", "W4A16-g32"),
-                artifact="compressed-tensors", load=load_transformers, reads_by_default="compressed-tensors")
+                family="vllm", formats=GPU_FORMATS, artifact="compressed-tensors", load=load_transformers,
+                reads_by_default="compressed-tensors")

@@ -46,10 +46,12 @@ _COMMON = dict(family="vllm", artifact="compressed-tensors", pack_methods=("rtn"
                default_scan_formats="BF16-dense,W8A16,W4A16-g128", artifact_name="model-compressed-tensors",
                overhead_terms=vllm_overhead, load=load_vllm)
 
+# Every scheme vLLM's GPU kernels serve (and transformers decompresses).
+GPU_FORMATS = ("BF16-dense", "W8A16", "W8A16-g128", "W4A16-g128", "W4A16-g128-asym", "W4A16-g64", "W4A16-g32")
+
 TARGETS = (
     Target(name="vllm", summary="vLLM on a GPU: a compressed-tensors checkpoint (4- and 8-bit WNA16 kernels)",
-           formats=("BF16-dense", "W8A16", "W8A16-g128", "W4A16-g128", "W4A16-g128-asym", "W4A16-g64", "W4A16-g32"),
-           **_COMMON),
+           formats=GPU_FORMATS, **_COMMON),
     Target(name="vllm-cpu", summary="vLLM's CPU build: 4-bit WNA16 and dense layers only",
            formats=("BF16-dense", "W4A16-g128", "W4A16-g128-asym", "W4A16-g64", "W4A16-g32"), **_COMMON),
 )
