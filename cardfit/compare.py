@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from .errors import CardfitError
+from .groups import EMBED, LM_HEAD
 from .schemas import content_hash
 from .units import format_bytes
 
@@ -262,23 +263,29 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             row.update(_gguf_speed(path))
         return row
 
-    def cardfit_row(against: list[dict], label: str) -> dict:
-        """cardfit's optimum whose whole GGUF is no larger than the smallest of `against`."""
+    def recipe_row(against: list[dict], label: str, kind: str) -> dict:
+        """A recipe from the map whose whole GGUF is no larger than the smallest of `against`: cardfit's
+        optimum (kind "cardfit"), or the best uniform body + one embedding/head type ("uniform-body")."""
         limit = min(r["bytes"] for r in against)
         best = min(against, key=lambda r: r["kld_mean"])
-        name = f"cardfit <= {label}"
+        name = f"cardfit <= {label}" if kind == "cardfit" else f"uniform body + embed/head <= {label}"
         try:
-            recipe = plan(map_path, limit, reserve_bytes=reserve)
+            recipe = (plan(map_path, limit, reserve_bytes=reserve) if kind == "cardfit"
+                      else best_uniform_body(map_path, limit, reserve))
         except CardfitError as exc:
-            return {"name": name, "kind": "cardfit", "against": best["name"], "error": str(exc)}
-        mine = out / f"cardfit{tag}-{label}.gguf"
+            return {"name": name, "kind": kind, "against": best["name"], "error": str(exc)}
+        mine = out / (f"cardfit{tag}-{label}.gguf" if kind == "cardfit" else f"uniform-body{tag}-{label}.gguf")
         recipe_hash = content_hash(recipe)
         cache.ensure(mine, artifact_key("cardfit", **made_from, recipe=recipe_hash, imatrix=imatrix_key),
                      lambda: pack(recipe, model, mine, force=True, progress=False, smoke=False,  # measured below
                                   imatrix=imatrix_file))
-        row = gguf_row(name, "cardfit", mine, against=best["name"], predicted_damage=recipe["predicted_damage"])
+        row = gguf_row(name, kind, mine, against=best["name"], predicted_damage=recipe["predicted_damage"],
+                       formats={g["name"]: g["format"] for g in recipe["groups"]})
         row["kld_reduction"] = 1 - row["kld_mean"] / best["kld_mean"] if best["kld_mean"] > 0 else None
         return row
+
+    def cardfit_row(against: list[dict], label: str) -> dict:
+        return recipe_row(against, label, "cardfit")
 
     rows = [gguf_row("llama.cpp F16 (runtime floor)", "floor", f16)]
     say(rows[-1])
@@ -288,9 +295,14 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
                                               llama_cpp=llama_cpp_version()),
                      lambda: _quantize_atomically(f16, shelf_file, preset, shelf_imatrix))
         shelf = gguf_row(f"llama.cpp {preset}" + (" imatrix" if imatrix else ""), "shelf", shelf_file, preset=preset)
-        rows += [shelf, cardfit_row([shelf], preset)]
         say(shelf)
-        say(rows[-1])
+        simple = recipe_row([shelf], preset, "uniform-body")
+        say(simple)
+        mine = cardfit_row([shelf], preset)
+        if "error" not in mine and "error" not in simple and simple["kld_mean"] > 0:
+            mine["kld_vs_uniform_body"] = 1 - mine["kld_mean"] / simple["kld_mean"]
+        say(mine)
+        rows += [shelf, simple, mine]
     four_bit = []
     for method in [m for m in baselines if m != "nf4"]:
         folder = out / f"w4a16-{method}"
@@ -323,7 +335,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         rows += [row, cardfit_row([row], "NF4")]
         say(row)
         say(rows[-1])
-    result = {"model": source.path.name, "map": str(map_path), "rounding": rounding, "tokens": max_tokens,
+    result = {"model": source.path.name, "source_types": source.source_types(), "map": str(map_path), "rounding": rounding, "tokens": max_tokens,
               "seq_len": seq_len, "calibration_tokens": scan_tokens, "rows": rows}
     write_json(out / f"compare{tag}.json", result)
     write_text(out / f"compare{tag}.md", render_compare(result) + "\n")
@@ -331,6 +343,53 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
 
     plot_compare(rows, out / f"compare{tag}.png")
     return result
+
+
+def best_uniform_body(map_path, limit: int, reserve: int) -> dict:
+    """The smarter shelf row: every decoder layer in one format and the embedding and head in one
+    (possibly another), searched exhaustively over the map's formats for the least predicted damage
+    whose whole file is no larger than `limit`. What cardfit gains beyond it is what per-group
+    allocation adds; what it gains up to it is one decision a user could make by hand."""
+    from .maps import read_map
+    from .plan import plan
+
+    data = read_map(map_path)
+    names = [g["name"] for g in data["groups"]]
+    outer = [n for n in (EMBED, LM_HEAD) if n in names]
+    best = None
+    for body in data["formats"]:
+        for edge in data["formats"]:
+            pins = {"layers.*": body, **{n: edge for n in outer}}
+            try:
+                recipe = plan(data, limit, pins=pins, reserve_bytes=reserve)
+            except CardfitError:
+                continue
+            if best is None or recipe["predicted_damage"] < best["predicted_damage"]:
+                best = recipe
+    if best is None:
+        raise CardfitError(f"no uniform body fits {format_bytes(limit)}", "only a per-group recipe does")
+    return best
+
+
+def source_type_table(result: dict) -> str:
+    """Per group: what the source stored it as, and the format each recipe row gave it (a recipe that
+    lands a group on its own source type is re-quantizing onto the grid the reference sits on)."""
+    recipes = [r for r in result["rows"] if r.get("formats")]
+    types = result.get("source_types") or {}
+    if not recipes:
+        return ""
+    groups = list(recipes[0]["formats"])
+    lines = ["| group | source type | " + " | ".join(r["name"] for r in recipes) + " |",
+             "|---|---|" + "---|" * len(recipes)]
+    for group in groups:
+        cells = []
+        for r in recipes:
+            fmt = r["formats"].get(group, "")
+            cells.append(f"**{fmt}**" if fmt in types.get(group, [])[:1] else fmt)
+        lines.append(f"| {group} | {'/'.join(types.get(group, [])) or '—'} | " + " | ".join(cells) + " |")
+    lines.append("\nSource type: what the model's file stores each group's matrices as, most bytes first; "
+                 "**bold**: the recipe gives the group its own source type (its weights go back onto their grid).")
+    return "\n".join(lines)
 
 
 def render_compare(result: dict) -> str:
@@ -358,6 +417,13 @@ def render_compare(result: dict) -> str:
         lines.append(f"— tok/s of {names}: measured in {runtime} (KLD in the runtime column).")
     notes = sorted({r["speed_note"] for r in result["rows"] if r.get("speed_note")})
     lines += [f"— tok/s: {note}." for note in notes]
+    margins = [r for r in result["rows"] if r.get("kld_vs_uniform_body") is not None]
+    if margins:
+        lines.append("— cardfit vs the best uniform body + embed/head at the same size: " + ", ".join(
+            f"{r['name'].split('<= ')[-1]} {-r['kld_vs_uniform_body']:+.1%}" for r in margins) + ".")
+    table = source_type_table(result)
+    if table:
+        lines += ["", table]
     return "\n".join(lines)
 
 

@@ -21,7 +21,8 @@ def test_compare_meets_each_preset_and_baseline_at_equal_bytes(tiny_model, tmp_p
                      speed=False)
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"llama.cpp F16 (runtime floor)", "llama.cpp Q8_0", "cardfit <= Q8_0", "llama.cpp Q4_0",
-                         "cardfit <= Q4_0", "W4A16-g128 RTN", "W4A16-g128 GPTQ", "cardfit <= W4A16-g128",
+                         "cardfit <= Q4_0", "uniform body + embed/head <= Q8_0", "uniform body + embed/head <= Q4_0",
+                         "W4A16-g128 RTN", "W4A16-g128 GPTQ", "cardfit <= W4A16-g128",
                          "bitsandbytes NF4", "cardfit <= NF4"}
     for preset in ("Q8_0", "Q4_0"):
         shelf, mine = rows[f"llama.cpp {preset}"], rows[f"cardfit <= {preset}"]
@@ -29,7 +30,17 @@ def test_compare_meets_each_preset_and_baseline_at_equal_bytes(tiny_model, tmp_p
         assert mine["against"] == shelf["name"]
         assert mine["kld_reduction"] == 1 - mine["kld_mean"] / shelf["kld_mean"]
         assert (tmp_path / "cmp" / f"shelf-{preset}.gguf").stat().st_size == shelf["bytes"]
+        # The smarter shelf row: one body format, one embedding/head format, searched over the map.
+        simple = rows[f"uniform body + embed/head <= {preset}"]
+        body = {f for g, f in simple["formats"].items() if g.startswith("layers.")}
+        assert len(body) == 1 and simple["formats"]["embed"] == simple["formats"].get("lm_head", simple["formats"]["embed"])
+        assert simple["bytes"] <= shelf["bytes"] and simple["kind"] == "uniform-body"
+        assert mine["predicted_damage"] <= simple["predicted_damage"] + 1e-12  # an optimum over a superset
+        assert mine["kld_vs_uniform_body"] == 1 - mine["kld_mean"] / simple["kld_mean"]
     assert rows["llama.cpp Q4_0"]["kld_mean"] > rows["llama.cpp Q8_0"]["kld_mean"]  # measured, not assumed
+    # Beside every recipe, what the source stores each group as (this tiny model: its own safetensors dtype).
+    dtypes = {t.dtype for t in open_model(model_dir).tensors() if t.group == "layers.0" and len(t.shape) == 2}
+    assert result["source_types"]["layers.0"] == sorted(dtypes)
     assert rows["llama.cpp F16 (runtime floor)"]["kld_mean"] < rows["llama.cpp Q8_0"]["kld_mean"]
 
     # Uniform W4A16: real checkpoints measured in transformers; cardfit meets the best of them at the size.
@@ -52,6 +63,7 @@ def test_compare_meets_each_preset_and_baseline_at_equal_bytes(tiny_model, tmp_p
     assert on_disk["rows"] == json.loads(json.dumps(result["rows"]))
     table = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| cardfit <= Q4_0 | llama.cpp |" in table and "vs W4A16-g128" in table
+    assert "| group | source type |" in table and "vs the best uniform body" in table
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
 
 

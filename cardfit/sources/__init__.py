@@ -25,8 +25,8 @@ def resolve_hub_id(repo_id: str) -> Path:
 
 
 def open_model(spec: str | Path | None = None, run: bool = False) -> ModelSource:
-    """The model a user named: a directory, a .gguf, a cached hub id, or None/'default' (the embedded
-    SmolLM2-135M-Instruct). Every command resolves its model here.
+    """The model a user named: a directory, a .gguf, a cached hub id, a catalog name fetched by
+    `cardfit models get` (cardfit.catalog), or None/'default' (the embedded SmolLM2-135M-Instruct). Every command resolves its model here.
 
     Without `run` a .gguf is read from its header (enough to price it); with `run` the caller gets a
     source it can run and tokenize: a .gguf converted once to f16 in the cache (`converted_source`),
@@ -34,7 +34,12 @@ def open_model(spec: str | Path | None = None, run: bool = False) -> ModelSource
     kind, path = locate(spec)
     if kind == "gguf":
         return converted_source(path) if run else GgufSource(path)
-    return HfDirectorySource(path)
+    source = HfDirectorySource(path)
+    if spec is None or str(spec) == "default":
+        from ..default_model import default_gguf
+
+        source.origins = (default_gguf(),)  # the packaged Q4_1 GGUF it was converted from
+    return source
 
 
 def runnable(source: ModelSource) -> ModelSource:
@@ -56,9 +61,14 @@ def locate(spec: str | Path | None) -> tuple[str, Path]:
     if path.is_file() and path.name == "config.json":
         return "dir", path.parent
     text = str(spec)
+    from ..catalog import CATALOG, fetched
+
+    if not path.exists() and text in CATALOG:
+        return "gguf", fetched(text)
     if not path.exists() and text.count("/") == 1 and not text.startswith((".", "/")):
         return _directory(resolve_hub_id(text))
-    raise CardfitError(f"no model at {spec}", "give a model directory, a .gguf file, or a cached hub id")
+    raise CardfitError(f"no model at {spec}", "give a model directory, a .gguf file, a cached hub id or a "
+                       "catalog name (cardfit models)")
 
 
 def _directory(path: Path) -> tuple[str, Path]:

@@ -186,6 +186,24 @@ class ModelSource:
     def stored_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
+    origins: tuple = ()  # files this model was converted from (a GGUF): read, never written
+
+    def source_types(self) -> dict[str, list[str]]:
+        """What each group's matrices are stored as where this model came from, most bytes first: the
+        ggml types of the GGUF it was converted from (the grid its "f16" reference really sits on), or
+        its own dtypes. compare prints them beside every recipe (docs/benchmarks.md, the quantized source)."""
+        tensors = self.tensors()
+        if self.origins:
+            from .gguf_file import GgufSource
+
+            tensors = GgufSource(self.origins[0]).tensors()
+        weight: dict[str, dict[str, int]] = {}
+        for t in tensors:
+            if len(t.shape) >= 2:
+                by_type = weight.setdefault(t.group, {})
+                by_type[t.dtype] = by_type.get(t.dtype, 0) + t.nbytes
+        return {group: sorted(by_type, key=by_type.get, reverse=True) for group, by_type in weight.items()}
+
     def fingerprint(self) -> str:
         """Content hash of config and tensor index (names, shapes, dtypes): names the model in artifacts."""
         digest = hashlib.sha256()
