@@ -23,12 +23,37 @@ DEFAULT_CEILING = 1000.0
 DEFAULT_MIN_TOP1 = 0.05
 
 
+class ReferenceLogits:
+    """The reference model's logits per token chunk, computed once and shared by every check that
+    measures against the same reference (compare measures a dozen artifacts over the same chunks;
+    the reference's forward would otherwise be repeated for each). Kept on the host, keyed by the
+    chunk's token ids, so a check over other chunks computes its own."""
+
+    def __init__(self, reference: str | Path, device: str = "cpu"):
+        self.reference = reference
+        self.device = device
+        self._stream = None
+        self._logits: dict[bytes, torch.Tensor] = {}
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        key = ids.to(torch.int64).cpu().numpy().tobytes() + bytes(str(tuple(ids.shape)), "ascii")
+        if key not in self._logits:
+            if self._stream is None:
+                from .runner import StreamedModel
+                from .sources import open_model
+
+                self._stream = StreamedModel(open_model(self.reference, run=True), device=self.device)
+            self._logits[key] = self._stream.forward(ids).to("cpu")
+        return self._logits[key]
+
+
 def check(artifact: str | Path, reference: str | Path | None = None, text: str | Path | None = None,
           max_tokens: int = 4096, seq_len: int = 512, ceiling: float = DEFAULT_CEILING,
           min_top1: float = DEFAULT_MIN_TOP1, max_kld: float | None = None, predicted_damage: float | None = None,
           smoke: bool = False, device: str = "cpu", batch: int = 4, tokenizer_dir: str | Path | None = None,
-          kind: str | None = None, runtime: str | None = None) -> dict:
-    """Measure `artifact` against `reference` (or, with `smoke`, alone); returns the report with a verdict."""
+          kind: str | None = None, runtime: str | None = None, reference_logits: ReferenceLogits | None = None) -> dict:
+    """Measure `artifact` against `reference` (or, with `smoke`, alone); returns the report with a verdict.
+    `reference_logits` shares the reference's forward passes between checks of one reference."""
     from .runtimes import open_runtime
     from .text import load_text
 
@@ -49,15 +74,12 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
                 meter.nll_sum += float(token_nll(logits, ids).sum())
                 meter.nll_tokens += ids[:, 1:].numel()
         else:
-            from .runner import StreamedModel
-            from .sources import open_model
-
-            stream = StreamedModel(open_model(reference, run=True), device=device)
+            reference_logits = reference_logits or ReferenceLogits(reference, device)
             for i in range(0, len(chunks), batch):
                 ids = chunks[i:i + batch]
                 logits = runtime.logits(ids)
                 finite &= bool(torch.isfinite(logits).all())
-                meter.add(stream.forward(ids), torch.nan_to_num(logits, nan=0.0, posinf=1e4, neginf=-1e4), ids,
+                meter.add(reference_logits(ids), torch.nan_to_num(logits, nan=0.0, posinf=1e4, neginf=-1e4), ids,
                           keep_values=True)
     finally:
         runtime.close()

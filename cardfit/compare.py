@@ -99,11 +99,12 @@ class ArtifactCache:
         return True
 
 
-def _measure(path: Path, reference, text, max_tokens: int, seq_len: int, runtime: str | None = None) -> dict:
+def _measure(path: Path, reference, text, max_tokens: int, seq_len: int, runtime: str | None = None,
+             reference_logits=None) -> dict:
     from .check import check
 
     start = time.perf_counter()
-    report = check(path, reference, text, max_tokens, seq_len, runtime=runtime)
+    report = check(path, reference, text, max_tokens, seq_len, runtime=runtime, reference_logits=reference_logits)
     return {"runtime": report["runtime"], "kld_mean": report["kld_mean"], "kld_stderr": report["kld_stderr"],
             "kld_p99": report["kld_p99"], "top1": report["top1"], "perplexity": report["perplexity"],
             "reference_perplexity": report["reference_perplexity"],
@@ -201,6 +202,9 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     source = runnable(source)
     out.mkdir(parents=True, exist_ok=True)
     reference = model or "default"
+    from .check import ReferenceLogits
+
+    ref_logits = ReferenceLogits(reference)  # one reference forward per chunk for every row
     tag = "-imatrix" if imatrix else ""
     rounding = "imatrix" if imatrix else "rtn"
     cache = ArtifactCache(out)
@@ -258,7 +262,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
 
     def gguf_row(name: str, kind: str, path: Path, **extra) -> dict:
         row = {"name": name, "kind": kind, **extra, "bytes": path.stat().st_size,
-               **_measure(path, reference, text, max_tokens, seq_len)}
+               **_measure(path, reference, text, max_tokens, seq_len, reference_logits=ref_logits)}
         if speed:
             row.update(_gguf_speed(path))
         return row
@@ -276,11 +280,16 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             return {"name": name, "kind": kind, "against": best["name"], "error": str(exc)}
         mine = out / (f"cardfit{tag}-{label}.gguf" if kind == "cardfit" else f"uniform-body{tag}-{label}.gguf")
         recipe_hash = content_hash(recipe)
-        cache.ensure(mine, artifact_key("cardfit", **made_from, recipe=recipe_hash, imatrix=imatrix_key),
-                     lambda: pack(recipe, model, mine, force=True, progress=False, smoke=False,  # measured below
-                                  imatrix=imatrix_file))
+        packed = {}
+
+        def make() -> None:
+            start = time.perf_counter()
+            pack(recipe, model, mine, force=True, progress=False, smoke=False, imatrix=imatrix_file)  # measured below
+            packed["pack_seconds"] = round(time.perf_counter() - start, 1)
+
+        cache.ensure(mine, artifact_key("cardfit", **made_from, recipe=recipe_hash, imatrix=imatrix_key), make)
         row = gguf_row(name, kind, mine, against=best["name"], predicted_damage=recipe["predicted_damage"],
-                       formats={g["name"]: g["format"] for g in recipe["groups"]})
+                       formats={g["name"]: g["format"] for g in recipe["groups"]}, **packed)
         row["kld_reduction"] = 1 - row["kld_mean"] / best["kld_mean"] if best["kld_mean"] > 0 else None
         return row
 
@@ -316,7 +325,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         cache.ensure(folder, artifact_key("w4a16", **calibrated, method=method), baseline)
         row = {"name": BASELINES[method], "kind": "baseline", "baseline": method,
                "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
-               **_measure(folder, reference, text, max_tokens, seq_len)}
+               **_measure(folder, reference, text, max_tokens, seq_len, reference_logits=ref_logits)}
         if speed:
             row.update(_vllm_speed(folder, reference))
         four_bit.append(row)
@@ -329,7 +338,8 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         nf4 = get_format("NF4")
         row = {"name": BASELINES["nf4"], "kind": "baseline", "baseline": "nf4",
                "bytes": sum(nf4.tensor_bytes(t.name, t.shape) for t in source.tensors()),
-               **_measure(source.path, reference, text, max_tokens, seq_len, runtime="bitsandbytes")}
+               **_measure(source.path, reference, text, max_tokens, seq_len, runtime="bitsandbytes",
+                           reference_logits=ref_logits)}
         if speed:
             row.update(_nf4_speed(source.path, text))
         rows += [row, cardfit_row([row], "NF4")]

@@ -117,3 +117,24 @@ def test_artifact_cache_reuses_only_on_an_equal_key(tmp_path):
     assert ArtifactCache(tmp_path).ensure(target, artifact_key("thing", tokens=1), make("five"))
     assert made[-1] == "five"
     assert json.loads((tmp_path / STATE).read_text())["cardfit_compare_state"] == 1
+
+
+def test_reference_logits_run_the_reference_once_per_chunk(tiny_model, monkeypatch):
+    """compare's rows share one reference forward per chunk; another chunk computes its own."""
+    import torch
+
+    from cardfit.check import ReferenceLogits
+    from cardfit.runner import StreamedModel
+    from cardfit.sources import open_model
+
+    model_dir = tiny_model("llama-wide")
+    calls = []
+    forward = StreamedModel.forward
+    monkeypatch.setattr(StreamedModel, "forward", lambda self, ids: calls.append(ids.shape) or forward(self, ids))
+    shared = ReferenceLogits(model_dir)
+    ids = torch.randint(0, 100, (2, 16))
+    first, again = shared(ids), shared(ids.clone())
+    assert len(calls) == 1 and torch.equal(first, again)
+    assert torch.equal(first, forward(StreamedModel(open_model(model_dir, run=True)), ids))
+    shared(ids[:, :8])
+    assert len(calls) == 2
