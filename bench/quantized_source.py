@@ -7,6 +7,7 @@ tensor to the type it came from can put it back exactly on its grid (error ~0), 
 looks almost free, and comparisons at or above the source's size say nothing about real models.
 
     python bench/quantized_source.py qwen2.5-coder-1.5b [--layers 0,14,27] [--json out.json]
+    python bench/quantized_source.py qwen2.5-coder-1.5b --map sensitivity.json   # the same, in measured KL
 
 Prints, per source type, the mean relative error ||W - q(W)||^2 / ||W||^2 of RTN re-quantization
 (ggml's own quantizers) to each candidate type, and how many tensors its own type returns exactly.
@@ -34,7 +35,11 @@ def main() -> int:
     parser.add_argument("model", help="A GGUF model (catalog name or path).")
     parser.add_argument("--layers", default=None, help="Layers sampled (default: first, middle, last).")
     parser.add_argument("--json", default=None, help="Also write the per-tensor numbers here.")
+    parser.add_argument("--map", default=None, help="Instead: the effect in a sensitivity map of this model "
+                        "(measured KL per group and format).")
     args = parser.parse_args()
+    if args.map:
+        return map_inversions(args.model, args.map)
 
     source = open_model(args.model)
     if not isinstance(source, GgufSource):
@@ -75,6 +80,38 @@ def main() -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump({"model": str(source.path), "layers": layers, "rows": rows}, out, indent=1)
+    return 0
+
+
+def map_inversions(model: str, map_path: str) -> int:
+    """Groups where a format with more bits measured more damage than one with fewer, beyond two
+    standard errors: in a quantized source, the smaller format is usually the source's own grid."""
+    from cardfit.formats import get_format
+    from cardfit.maps import read_map
+    from cardfit.sources import open_model, runnable
+
+    data = read_map(map_path)
+    types = runnable(open_model(model)).source_types()
+    formats = sorted(data["formats"], key=lambda f: -get_format(f).bits)
+    inverted = 0
+    print("| group | source type | " + " | ".join(formats) + " | inversions (more bits, more damage) |")
+    print("|---|---|" + "---|" * len(formats) + "---|")
+    for g in data["groups"]:
+        cells = g["cells"]
+        pairs = []
+        for i, big in enumerate(formats):
+            for small in formats[i + 1:]:
+                if g["bytes"][big] <= g["bytes"][small]:
+                    continue
+                a, b = cells[big], cells[small]
+                noise = 2 * ((a.get("stderr") or 0) ** 2 + (b.get("stderr") or 0) ** 2) ** 0.5
+                if a["damage"] > b["damage"] + noise:
+                    pairs.append(f"{big}>{small}")
+        inverted += bool(pairs)
+        print(f"| {g['name']} | {'/'.join(types.get(g['name'], [])) or '—'} | "
+              + " | ".join(f"{cells[f]['damage']:.2e}" for f in formats) + f" | {', '.join(pairs)} |")
+    print(f"\n{inverted} of {len(data['groups'])} groups have a format that loses more than a smaller one "
+          f"({data['rounding']} rounding, {data['calibration']['tokens']} tokens)")
     return 0
 
 

@@ -39,7 +39,8 @@ def test_compare_remakes_what_another_model_or_setting_made(tiny_model, tmp_path
         return compare(model, out, None, ["Q8_0"], text=calib_text, max_tokens=64, seq_len=32,
                        scan_tokens=scan_tokens, progress=False, log=None, baselines=[], speed=False)
 
-    cached = [out / n for n in ("f16.gguf", "sensitivity.json", "shelf-Q8_0.gguf", "cardfit-Q8_0.gguf")]
+    cached = [out / n for n in ("f16.gguf", "sensitivity.json", "shelf-Q8_0.gguf", "uniform-body-Q8_0.gguf",
+                                 "cardfit-Q8_0.gguf")]
     first = run(model_a)
     state = json.loads((out / STATE).read_text())
     assert set(state["artifacts"]) == {p.name for p in cached}
