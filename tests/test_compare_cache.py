@@ -139,3 +139,7 @@ def test_reference_logits_run_the_reference_once_per_chunk(tiny_model, monkeypat
     assert torch.equal(first, forward(StreamedModel(open_model(model_dir, run=True)), ids))
     shared(ids[:, :8])
     assert len(calls) == 2
+    # Past its byte budget it computes again instead of holding more (the same values).
+    bounded = ReferenceLogits(model_dir, max_bytes=0)
+    assert torch.equal(bounded(ids), first) and torch.equal(bounded(ids), first)
+    assert len(calls) == 4 and not bounded._logits
