@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from cardfit.evaluate import measure, reference_logits
 from cardfit.formats import get_format, is_decoder_linear
 from cardfit.quant.model import quantize_model
-from cardfit.runner import StreamedModel
+from cardfit.engine import Engine
 from cardfit.sizes import priced_tensors
 from cardfit.sources import open_model
 from cardfit.text import load_text, token_chunks
@@ -32,7 +32,7 @@ def main():
     parser.add_argument("--eval-tokens", type=int, default=8192)
     args = parser.parse_args()
     source = open_model(None)
-    stream = StreamedModel(source)
+    stream = Engine(source, "cpu")
     tok = AutoTokenizer.from_pretrained(source.path)
     calib = token_chunks(tok, load_text(None)[0], 512, args.calib_tokens)
     held = token_chunks(tok, load_text(None, "heldout")[0], 512, args.eval_tokens)

@@ -12,21 +12,21 @@ from __future__ import annotations
 import torch
 
 from .formats import Calibration
-from .groups import EMBED, NORM, GroupId
+from .groups import NORM, GroupId
 from .sources import ModelSource
 
 
 class LayerCalibration:
-    def __init__(self, source: ModelSource, chunks: torch.Tensor, method: str, device: str = "cpu", batch: int = 4,
-                 awq_samples: int = 4096):
-        from .runner import StreamedModel
+    def __init__(self, source: ModelSource, chunks: torch.Tensor, method: str, device: str = "auto", batch: int = 4,
+                 awq_samples: int = 4096, dtype: str = "auto", gpu_memory: int | None = None):
+        from .engine import Engine
 
         self.method = method
         self.awq_samples = awq_samples
-        self.stream = StreamedModel(source, device=device)
+        self.engine = Engine(source, device, dtype, gpu_memory)
+        self.stream = self.engine.stream
         self.batches = [chunks[i:i + batch] for i in range(0, len(chunks), batch)]
-        with self.stream.resident(EMBED):
-            self.hidden = [self.stream.embed(ids) for ids in self.batches]
+        self.hidden = self.engine.embed(self.batches)
 
     @torch.no_grad()
     def statistics(self, index: int) -> dict[str, Calibration]:
@@ -34,14 +34,13 @@ class LayerCalibration:
         from .quant.model import layer_statistics
 
         names = [t.name for t in self.stream.groups[GroupId.layer_group(index)] if len(t.shape) == 2]
-        stats = layer_statistics(self.stream, index, names, self.method, self.hidden, self.awq_samples, seed=index)
+        stats = layer_statistics(self.engine, index, names, self.method, self.hidden, self.awq_samples, seed=index)
         return {n: stats.calibration(n) for n in names}
 
     @torch.no_grad()
     def advance(self, index: int, overrides: dict[str, torch.Tensor] | None = None) -> None:
         """Move the hidden states through layer `index` (with quantized weights when given)."""
-        with self.stream.resident(GroupId.layer_group(index), overrides):
-            self.hidden = [self.stream.run_layer(index, h) for h in self.hidden]
+        self.hidden = self.engine.step(index, self.hidden, overrides)
 
     @torch.no_grad()
     def head_statistics(self) -> Calibration:

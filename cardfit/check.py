@@ -31,9 +31,10 @@ class ReferenceLogits:
     logits are kept (tokens x vocab x 4 bytes: 1.2 GB for 2,048 tokens of a 152k vocabulary); chunks
     beyond it are computed again for each check rather than held whole."""
 
-    def __init__(self, reference: str | Path, device: str = "cpu", max_bytes: int = 4 << 30):
+    def __init__(self, reference: str | Path, device: str = "auto", max_bytes: int = 4 << 30, dtype: str = "auto"):
         self.reference = reference
         self.device = device
+        self.dtype = dtype
         self.max_bytes = max_bytes
         self._stream = None
         self._logits: dict[bytes, torch.Tensor] = {}
@@ -43,10 +44,10 @@ class ReferenceLogits:
         key = ids.to(torch.int64).cpu().numpy().tobytes() + bytes(str(tuple(ids.shape)), "ascii")
         if key not in self._logits:
             if self._stream is None:
-                from .runner import StreamedModel
+                from .engine import Engine
                 from .sources import open_model
 
-                self._stream = StreamedModel(open_model(self.reference, run=True), device=self.device)
+                self._stream = Engine(open_model(self.reference, run=True), device=self.device, dtype=self.dtype)
             logits = self._stream.forward(ids).to("cpu")
             if self._held + logits.nbytes > self.max_bytes:
                 return logits
@@ -58,13 +59,15 @@ class ReferenceLogits:
 def check(artifact: str | Path, reference: str | Path | None = None, text: str | Path | None = None,
           max_tokens: int = 4096, seq_len: int = 512, ceiling: float = DEFAULT_CEILING,
           min_top1: float = DEFAULT_MIN_TOP1, max_kld: float | None = None, predicted_damage: float | None = None,
-          smoke: bool = False, device: str = "cpu", batch: int = 4, tokenizer_dir: str | Path | None = None,
+          smoke: bool = False, device: str = "auto", batch: int = 4, tokenizer_dir: str | Path | None = None,
           kind: str | None = None, runtime: str | None = None, reference_logits: ReferenceLogits | None = None) -> dict:
     """Measure `artifact` against `reference` (or, with `smoke`, alone); returns the report with a verdict.
     `reference_logits` shares the reference's forward passes between checks of one reference."""
+    from .engine import resolve_device
     from .runtimes import open_runtime
     from .text import load_text
 
+    device = str(resolve_device(device)[0])
     if not smoke and reference is None:
         raise CardfitError("a full check needs the reference model", "pass --reference MODEL, or --smoke")
     body, text_path = load_text(text, default="heldout")

@@ -32,12 +32,26 @@ def _finite_check(test, wanted: str):
     return callback
 
 
-def _device(value: str) -> str:
-    """--device checked before any work: a typo or a CUDA-less torch is one line, not a late traceback."""
-    from .quant.device import check_device
+DEVICE_HELP = "auto (CUDA when torch sees it, else the CPU), cpu, cuda or cuda:N."
+DTYPE_HELP = "Decoder layers' compute dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16."
+
+
+def _dtype(value: str) -> str:
+    from .engine import resolve_dtype
 
     try:
-        check_device(value)
+        resolve_dtype(value, None)
+    except CardfitError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _device(value: str) -> str:
+    """--device checked before any work: a typo or a CUDA-less torch is one line, not a late traceback."""
+    from .engine import resolve_device
+
+    try:
+        resolve_device(value)
     except CardfitError as exc:
         raise typer.BadParameter(str(exc)) from None
     return value
@@ -115,23 +129,34 @@ def scan_command(
     max_tokens: int = typer.Option(8192, min=1, help="Calibration tokens to measure over."),
     formats: str = typer.Option("Q8_0,Q6_K,Q4_K,Q3_K,Q2_K", help="Comma-separated formats of one runtime."),
     group_by: str = typer.Option("layer", help="layer or tensor."),
-    out: str = typer.Option("sensitivity.json", help="Where the map is written (atomically, after every cell)."),
+    out: str = typer.Option("sensitivity.json", help="Where the map is written (atomically, after every group sweep)."),
     resume: bool = typer.Option(False, help="Continue a partial map at --out."),
-    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N]."),
+    device: str = typer.Option("auto", callback=_device, help=DEVICE_HELP),
     memory_cap: Optional[str] = typer.Option(None, help="Memory for cached activations; beyond it they go to disk."),
     rounding: str = typer.Option("rtn", help="Rounding each cell uses: rtn, imatrix, gptq, awq."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration chunk."),
     batch: int = typer.Option(4, min=1, help="Chunks per forward."),
     method: str = typer.Option("exact", help="exact (measured KL, streamed) or fast (diagonal-Fisher estimate, "
                                              "whole model resident)."),
+    dtype: str = typer.Option("auto", callback=_dtype, help=DTYPE_HELP),
+    gpu_memory: Optional[str] = typer.Option(None, help="Device memory the scan may hold (CUDA; default 90% of "
+                                                         "what is free): layers that fit stay resident."),
+    estimate: bool = typer.Option(False, "--estimate", help="Print what the scan would cost (counts, FLOPs, bytes, "
+                                                             "peak memory, time from a short measured run) and stop."),
 ):
     """Damage of every layer group at every format: the sensitivity map."""
     from .scan import scan
     from .units import parse_bytes
 
     cap = parse_bytes(memory_cap, "--memory-cap") if memory_cap else None
+    gpu = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
     result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding, seq_len,
-                  batch, progress=True, method=method)
+                  batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
+                  log=lambda line: typer.echo(line, err=True), estimate=estimate)
+    if estimate:
+        if result["estimate"] is None:
+            typer.echo(f"{out} is complete: nothing to measure")
+        return
     cells = sum(len(g["cells"]) for g in result["groups"])
     typer.echo(f"scanned {len(result['groups'])} groups x {len(result['formats'])} formats = {cells} cells over "
                f"{result['calibration']['tokens']} tokens -> {out}")
@@ -223,7 +248,7 @@ def refine_command(
     top: int = typer.Option(8, min=1, help="Heaviest downgrades whose in-context cost is measured."),
     rounds: int = typer.Option(1, min=1, help="Measure-and-re-plan rounds."),
     max_tokens: Optional[int] = typer.Option(None, min=1, help="Calibration tokens to measure over (default: the map's)."),
-    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N]."),
+    device: str = typer.Option("auto", callback=_device, help=DEVICE_HELP),
 ):
     """Re-plan with measured interactions: kept only if the whole recipe measures better."""
     from .atomic import write_json
@@ -260,13 +285,16 @@ def pack_command(
     force: bool = typer.Option(False, help="Replace an existing --out."),
     smoke: bool = typer.Option(True, help="Run the smoke check (perplexity ceiling) before the artifact lands."),
     ceiling: float = typer.Option(1000.0, callback=_above_one, help="The smoke check's perplexity ceiling."),
-    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N] for calibration passes."),
+    device: str = typer.Option("auto", callback=_device, help=DEVICE_HELP),
+    gpu_memory: Optional[str] = typer.Option(None, help="Device memory GPTQ may hold on CUDA (its arena's cap)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ):
     """Write the artifact the recipe says: GGUF for llama.cpp/Ollama, compressed-tensors for vLLM."""
     from .pack import pack, render_pack
+    from .units import parse_bytes
 
     report = pack(recipe, model, out, format, method, calibration, max_tokens, force=force, device=device,
+                  gpu_memory=parse_bytes(gpu_memory, '--gpu-memory') if gpu_memory else None,
                   smoke=smoke, ceiling=ceiling, imatrix=imatrix)
     typer.echo(json.dumps(report, indent=2) if as_json else render_pack(report))
 
@@ -278,7 +306,7 @@ def imatrix_command(
     max_tokens: int = typer.Option(8192, min=1, help="Calibration tokens."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per chunk (llama.cpp's imatrix.chunk_size)."),
     out: str = typer.Option("imatrix.gguf", help="Where llama.cpp's GGUF imatrix is written."),
-    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N]."),
+    device: str = typer.Option("auto", callback=_device, help=DEVICE_HELP),
 ):
     """llama.cpp's importance matrix, streamed one layer at a time: for pack --imatrix or llama-quantize."""
     from .imatrix import collect_imatrix
@@ -301,7 +329,7 @@ def check_command(
     recipe: Optional[str] = typer.Option(None, help="The recipe it was packed from: shows predicted damage."),
     smoke: bool = typer.Option(False, help="Artifact alone, perplexity ceiling only (no reference)."),
     out: Optional[str] = typer.Option(None, help="Also write the report as JSON here."),
-    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N] for the reference."),
+    device: str = typer.Option("auto", callback=_device, help=DEVICE_HELP),
     runtime: Optional[str] = typer.Option(None, help="vllm to serve a compressed-tensors directory in vLLM; "
                                           "bitsandbytes to load a full-precision directory as NF4 "
                                           "(default: llama.cpp for GGUF, transformers for a directory)."),
@@ -346,7 +374,7 @@ def fit_command(
     full_check: bool = typer.Option(False, "--check", help="Also run the full check against the reference."),
     refine: bool = typer.Option(False, "--refine", help="Re-plan with measured interactions (cardfit refine; "
                                 "about 4x the scan's tokens of whole-recipe passes)."),
-    device: str = typer.Option("cpu", callback=_device, help="cpu or cuda[:N]."),
+    device: str = typer.Option("auto", callback=_device, help=DEVICE_HELP),
 ):
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit

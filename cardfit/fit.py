@@ -46,7 +46,7 @@ def _say(log, text: str) -> None:
 def fit(model: str | Path | None = None, vram: str | int | None = None, context: int = 8192, batch: int = 1,
         kv_dtype: str = "f16", format: str = "gguf", out: str | Path = "cardfit-out", formats: str | None = None,
         calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
-        full_check: bool = False, check_tokens: int = 2048, device: str = "cpu", progress: bool = True,
+        full_check: bool = False, check_tokens: int = 2048, device: str = "auto", progress: bool = True,
         log=print, refine: bool = False, refine_tokens: int | None = None) -> dict:
     """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary."""
     from .budget import budget as compute_budget
@@ -81,7 +81,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     _say(log, f"\n== 2. scan ({max_tokens} calibration tokens; resumes {out / 'sensitivity.json'})")
     map_path = out / "sensitivity.json"
     sensitivity = scan(model, calibration, max_tokens, formats or target.default_scan_formats, "layer", map_path,
-                       resume=True, device=device, seq_len=seq_len, progress=progress)
+                       resume=True, device=device, seq_len=seq_len, progress=progress,
+                       log=(lambda line: _say(log, line)) if log else None)
     for warning in sensitivity["warnings"]:
         _say(log, f"warning: {warning}")
     plot_sensitivity(sensitivity, out / "sensitivity.png")

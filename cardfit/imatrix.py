@@ -37,7 +37,7 @@ def gguf_tensor_names(source: ModelSource) -> dict[str, str]:
 
 
 def collect_imatrix(model: str | Path | None = None, calibration: str | Path | None = None, max_tokens: int = 8192,
-                    seq_len: int = 512, out: str | Path = "imatrix.gguf", device: str = "cpu",
+                    seq_len: int = 512, out: str | Path = "imatrix.gguf", device: str = "auto",
                     progress: bool = True) -> dict:
     """Run the calibration text through the model one layer at a time and write llama.cpp's imatrix."""
     import gguf

@@ -13,9 +13,14 @@ import torch
 
 def token_kl(ref_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """KL(P_ref || P_q) for every position (nats), shape = logits.shape[:-1]."""
-    ref = torch.log_softmax(ref_logits.to(torch.float32), dim=-1)
+    return kl_from_logprobs(torch.log_softmax(ref_logits.to(torch.float32), dim=-1), q_logits)
+
+
+def kl_from_logprobs(ref_logprobs: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """token_kl with the reference's log-probabilities given (a scan computes them once, not per cell);
+    the same operations, so the same bits."""
     q = torch.log_softmax(q_logits.to(torch.float32), dim=-1)
-    return torch.sum(torch.exp(ref) * (ref - q), dim=-1).clamp_min(0)
+    return torch.sum(torch.exp(ref_logprobs) * (ref_logprobs - q), dim=-1).clamp_min(0)
 
 
 def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

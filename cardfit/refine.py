@@ -20,7 +20,7 @@ import torch
 from .errors import CardfitError
 from .formats import get_format
 from .metrics import DistanceMeter
-from .groups import EMBED, GroupId
+from .groups import GroupId
 from .sources import ModelSource
 
 RATIO_LIMITS = (0.25, 4.0)  # a measured in-context/isolated ratio outside this is clamped
@@ -28,17 +28,18 @@ RATIO_LIMITS = (0.25, 4.0)  # a measured in-context/isolated ratio outside this 
 
 class RecipeMeter:
     """Measures whole recipes (every group in its format, the formats' real quantizers) against the
-    reference on fixed token chunks, one layer resident at a time."""
+    reference on fixed token chunks, on the engine: many recipes walk as tracks, one layer read for all."""
 
     def __init__(self, source: ModelSource, chunks: torch.Tensor, group_by: str, rounding: str,
-                 device: str = "cpu", batch: int = 4):
+                 device: str = "auto", batch: int = 4, dtype: str = "auto"):
         from .activations import ActivationCache
-        from .runner import StreamedModel
+        from .engine import Engine
         from .scan import Scanner, scan_groups
 
-        self.stream = StreamedModel(source, device=device)
+        self.engine = Engine(source, device, dtype)
+        self.stream = self.engine.stream
         self.cache = ActivationCache(None)
-        self.scanner = Scanner(source, self.stream, chunks, batch, self.cache, rounding)
+        self.scanner = Scanner(source, self.engine, chunks, batch, self.cache, rounding)
         self.reference = self.scanner.reference()
         self.groups = {g.name: g for g in scan_groups(source, group_by)}
         self.layers = self.scanner.layers
@@ -55,34 +56,57 @@ class RecipeMeter:
             out.update(self.scanner.quantized(group, get_format(assignment[name]), self._stats[name]))
         return out
 
+    def _track(self, assignment: dict[str, str], start: int, inputs: dict[int, list[torch.Tensor]] | None, key):
+        from .engine import Track
+
+        embedding = self._quantized(assignment, -1) if start < 0 or inputs is None or self.stream.tied else {}
+        if start < 0 or inputs is None:
+            hidden = self.engine.embed(self.scanner.batches, embedding)
+            start = 0
+        else:
+            hidden = list(inputs[start])
+        head = self._quantized(assignment, self.layers)
+        if self.stream.tied:
+            head.update(embedding)  # the tied output matrix is the embedding, in its format
+
+        def replacements(group: str) -> dict[str, torch.Tensor]:
+            if group.startswith("layers."):
+                return self._quantized(assignment, GroupId(group).layer)
+            return head
+
+        return Track(hidden, start, replacements, key)
+
+    @torch.no_grad()
+    def measure_many(self, trials: list[tuple[dict[str, str], int]], inputs: dict[int, list[torch.Tensor]] | None
+                     ) -> list[DistanceMeter]:
+        """KL of each (assignment, start) against the reference, all in one walk; a trial starts from
+        `inputs[start]` (that layer's input under an assignment equal to it before `start`)."""
+        tracks = [self._track(a, s, inputs, k) for k, (a, s) in enumerate(trials)]
+        self.engine.walk(tracks)
+        meters = self.scanner.head_distances(tracks)
+        return [meters[k] for k in range(len(trials))]
+
     @torch.no_grad()
     def measure(self, assignment: dict[str, str], start: int = -1,
                 inputs: dict[int, list[torch.Tensor]] | None = None, keep_inputs: bool = False
                 ) -> tuple[DistanceMeter, dict[int, list[torch.Tensor]]]:
         """KL of the recipe against the reference; from layer `start` when `inputs` holds that layer's
         input under the same assignment (a group changed there re-runs only from its layer on)."""
-        stream, kept = self.stream, {}
-        embedding = self._quantized(assignment, -1)
-        if start < 0:
-            with stream.resident(EMBED, embedding):
-                hidden = [stream.embed(ids) for ids in self.scanner.batches]
-            start = 0
-        else:
-            hidden = inputs[start]
-        for i in range(start, self.layers):
+        kept: dict[int, list[torch.Tensor]] = {}
+        track = self._track(assignment, start, inputs, 0)
+
+        def keep(i, active):
             if keep_inputs:
-                kept[i] = hidden
-            with stream.resident(GroupId.layer_group(i), self._quantized(assignment, i)):
-                hidden = [stream.run_layer(i, h) for h in hidden]
+                kept[i] = active[0].hidden
+
+        self.engine.walk([track], before_layer=keep)
         if keep_inputs:
-            kept[self.layers] = hidden
-        head = self._quantized(assignment, self.layers)
-        if stream.tied:
-            head.update(embedding)  # the tied output matrix is the embedding, in its format
-        return self.scanner.head_distances(hidden, head), kept
+            kept[self.layers] = track.hidden
+        return self.scanner.head_distances([track])[0], kept
 
     def close(self) -> None:
         self.cache.close()
+        self.engine.close()
 
 
 def _restore_target(group: dict, formats: list[str]) -> str:
@@ -91,7 +115,7 @@ def _restore_target(group: dict, formats: list[str]) -> str:
 
 
 def refine(recipe: dict, map_data: dict, model: str | Path | None = None, calibration: str | Path | None = None,
-           top: int = 8, rounds: int = 1, device: str = "cpu", log=None, max_tokens: int | None = None) -> dict:
+           top: int = 8, rounds: int = 1, device: str = "auto", log=None, max_tokens: int | None = None) -> dict:
     """A recipe planned with measured interactions, or the same recipe when that does not measure better.
 
     Measures on the map's own calibration text (pass it when it was not the bundled one), over the
@@ -140,9 +164,9 @@ def refine(recipe: dict, map_data: dict, model: str | Path | None = None, calibr
                     costs.append((isolated, name, target))
             if not costs:
                 break
-            for isolated, name, target in sorted(costs, reverse=True)[:top]:
-                trial = dict(assignment, **{name: target})
-                restored, _ = meter.measure(trial, meter.groups[name].start, inputs)
+            chosen = sorted(costs, reverse=True)[:top]
+            trials = [(dict(assignment, **{name: target}), meter.groups[name].start) for _, name, target in chosen]
+            for (isolated, name, target), restored in zip(chosen, meter.measure_many(trials, inputs)):
                 ratio = (best_kl - restored.kl) / isolated
                 ratios[name] = min(max(ratio, RATIO_LIMITS[0]), RATIO_LIMITS[1])
                 savings[name] = {"restored_to": target, "in_context": best_kl - restored.kl, "alone": isolated}

@@ -1,16 +1,21 @@
 """Run a causal LM one layer group at a time, weights streamed from a model source.
 
 The model is built as an empty skeleton (parameters on the meta device); a group's tensors
-are read from the source's memory maps only while that group computes, then dropped, so
-resident weights never exceed one decoder layer plus the embedding/head. Per-layer call
+are read from the source's memory maps only while that group computes, then dropped, unless
+the residency budget lets them stay on the device (`keep_bytes`: on a GPU with room for the
+whole model, each layer is read once per process). Replaced tensors (a quantized copy of a
+group) are swapped into a resident group and back, so many variants of a layer compute from
+one read of it. Decoder layers compute in `dtype`; the embedding, final norm and head always
+in float32, so logits, log-softmax and KL sums never see half precision. Per-layer call
 arguments (rotary position embeddings, masks) depend only on positions, so they are built
-once per sequence length and replayed; every stage (scan, quantization, check) composes
-`embed -> run_layer(i) ... -> logits` from these pieces, on CPU or CUDA alike.
+once per sequence length and replayed. Walks over these pieces live in `engine.py`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -19,9 +24,12 @@ from .errors import CardfitError
 from .groups import EMBED, LM_HEAD, NORM, GroupId
 from .sources import HfDirectorySource, ModelSource, runnable
 
+HEAD_GROUPS = (EMBED, NORM, LM_HEAD)  # computed in float32 whatever the layers' dtype
+
 
 class StreamedModel:
-    def __init__(self, source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 keep_bytes: int = 0, prefetch: bool = False):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -37,35 +45,89 @@ class StreamedModel:
         config = AutoConfig.from_pretrained(str(source.path))
         config._attn_implementation = "sdpa"
         with init_empty_weights():
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model.eval()
+        for module in self.model.modules():  # rotary tables and other buffers live where the layers compute
+            for key, buffer in module._buffers.items():
+                if buffer is not None and buffer.device.type != "meta":
+                    module._buffers[key] = buffer.to(self.device)
         self.decoder = self.model.model
         self.layers = self.decoder.layers
         self.groups = source.groups()
         self.tied = source.tied_embeddings
+        self.keep_bytes = keep_bytes
+        self.prefetching = prefetch
+        self.loads: Counter[str] = Counter()  # group -> times its weights were read from the source
         self._loaded: set[str] = set()
+        self._kept: dict[str, int] = {}  # groups left resident after use -> their bytes on the device
+        self._prefetched: dict[str, Future] = {}
+        self._reader = ThreadPoolExecutor(max_workers=1) if prefetch else None
         self._kwargs: dict[tuple, list[dict]] = {}
 
     # -- weights --------------------------------------------------------------------------------------
     def group_tensors(self, group: str) -> list[str]:
         return [t.name for t in self.groups.get(group, [])]
 
+    def group_dtype(self, group: str) -> torch.dtype:
+        return torch.float32 if group in HEAD_GROUPS else self.dtype
+
+    def _read_group(self, group: str) -> dict[str, torch.Tensor]:
+        dtype = self.group_dtype(group)
+        out = {}
+        for name in self.group_tensors(group):
+            value = self.source.read(name, dtype=dtype)
+            out[name] = value.pin_memory() if self.device.type == "cuda" else value
+        return out
+
+    def prefetch(self, group: str) -> None:
+        """Start reading `group` from the source on a background thread (overlaps the current compute)."""
+        if self._reader is None or group in self._loaded or group in self._prefetched or group not in self.groups:
+            return
+        self._prefetched[group] = self._reader.submit(self._read_group, group)
+
     def load(self, group: str, overrides: Mapping[str, torch.Tensor] | None = None) -> None:
         """Put one group's weights on the device; `overrides` replaces tensors by name (quantized copies)."""
         from accelerate.utils import set_module_tensor_to_device
 
+        if group not in self._loaded:
+            future = self._prefetched.pop(group, None)
+            values = future.result() if future is not None else self._read_group(group)
+            dtype = self.group_dtype(group)
+            for name, value in values.items():
+                set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
+            if group == EMBED and self.tied:
+                self.model.lm_head.weight = self.decoder.embed_tokens.weight
+            self._loaded.add(group)
+            self.loads[group] += 1
+        if overrides:
+            self.swap_in(group, overrides)
+
+    def swap_in(self, group: str, overrides: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Replace the resident group's tensors named in `overrides`; returns the originals for `swap_out`."""
+        saved = {}
+        dtype = self.group_dtype(group)
         for name in self.group_tensors(group):
-            value = overrides.get(name) if overrides else None
-            if value is None:
-                value = self.source.read(name, dtype=self.dtype)
-            set_module_tensor_to_device(self.model, name, self.device, value=value.to(self.dtype))
-        if group == EMBED and self.tied:
-            self.model.lm_head.weight = self.decoder.embed_tokens.weight
-        self._loaded.add(group)
+            if name in overrides:
+                param = self.model.get_parameter(name)
+                saved[name] = param.data
+                param.data = overrides[name].to(self.device, dtype)
+        return saved
+
+    def swap_out(self, saved: Mapping[str, torch.Tensor]) -> None:
+        for name, value in saved.items():
+            self.model.get_parameter(name).data = value
 
     def unload(self, group: str) -> None:
+        """Drop the group from the device, unless the residency budget lets it stay (then it is never
+        read again). Overridden tensors never stay: a kept group holds the source's weights."""
         from accelerate.utils import set_module_tensor_to_device
 
+        if group in self._kept:
+            return
+        size = sum(self.model.get_parameter(n).nbytes for n in self.group_tensors(group))
+        if group.startswith("layers.") and sum(self._kept.values()) + size <= self.keep_bytes:
+            self._kept[group] = size
+            return
         for name in self.group_tensors(group):
             set_module_tensor_to_device(self.model, name, "meta")
         if group == EMBED and self.tied:
@@ -74,23 +136,36 @@ class StreamedModel:
 
     @contextmanager
     def resident(self, group: str, overrides: Mapping[str, torch.Tensor] | None = None):
-        self.load(group, overrides)
+        was_loaded = group in self._loaded
+        self.load(group)
+        saved = self.swap_in(group, overrides) if overrides else {}
         try:
             yield
         finally:
-            self.unload(group)
+            self.swap_out(saved)
+            if not was_loaded:
+                self.unload(group)
+
+    @contextmanager
+    def swapped(self, group: str, overrides: Mapping[str, torch.Tensor] | None):
+        """The resident group with `overrides` swapped in for the duration (nothing read)."""
+        saved = self.swap_in(group, overrides) if overrides else {}
+        try:
+            yield
+        finally:
+            self.swap_out(saved)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+        self._prefetched.clear()
 
     # -- computation ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        loaded = EMBED in self._loaded
-        if not loaded:
-            self.load(EMBED)
-        try:
+    def embed(self, input_ids: torch.Tensor, overrides: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        with self.resident(EMBED, overrides):
             return self.decoder.embed_tokens(input_ids.to(self.device)).to(self.dtype)
-        finally:
-            if not loaded:
-                self.unload(EMBED)
 
     @torch.no_grad()
     def layer_kwargs(self, batch: int, length: int) -> list[dict]:
@@ -124,54 +199,27 @@ class StreamedModel:
     @torch.no_grad()
     def run_layer(self, index: int, hidden: torch.Tensor, overrides: Mapping[str, torch.Tensor] | None = None
                   ) -> torch.Tensor:
-        group = GroupId.layer_group(index)
         kwargs = self.layer_kwargs(hidden.shape[0], hidden.shape[1])[index]
-        loaded = group in self._loaded
-        if not loaded:
-            self.load(group, overrides)
-        try:
-            out = self.layers[index](hidden.to(self.device), **kwargs)
-        finally:
-            if not loaded:
-                self.unload(group)
+        with self.resident(GroupId.layer_group(index), overrides):
+            out = self.layers[index](hidden.to(self.device, self.dtype), **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, overrides: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Final norm and lm_head (the embedding when tied), in float32."""
-        head = EMBED if self.tied else LM_HEAD
-        needed = [g for g in (NORM, head) if g not in self._loaded]
-        for g in needed:
-            self.load(g, overrides)
-        try:
-            return self._soft_capped(self.model.lm_head(self.decoder.norm(hidden.to(self.device))))
-        finally:
-            for g in needed:
-                self.unload(g)
+        with self.resident(NORM), self.resident(EMBED if self.tied else LM_HEAD, overrides):
+            normed = self.decoder.norm(hidden.to(self.device, torch.float32))
+            return self._soft_capped(self.model.lm_head(normed))
 
     @torch.no_grad()
     def logits_with(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         """Logits through a given head matrix, the final norm resident: lets a caller hold two heads
         (reference and quantized) at once instead of loading one per call."""
-        normed = self.decoder.norm(hidden.to(self.device))
-        return self._soft_capped(torch.nn.functional.linear(normed, head_weight.to(self.device, self.dtype)))
+        normed = self.decoder.norm(hidden.to(self.device, torch.float32))
+        return self._soft_capped(torch.nn.functional.linear(normed, head_weight.to(self.device, torch.float32)))
 
     def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return logits.to(torch.float32)
-
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, overrides: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Logits of the whole model, one group resident at a time."""
-        if overrides and any(n in overrides for n in self.group_tensors(EMBED)):
-            with self.resident(EMBED, overrides):
-                hidden = self.embed(input_ids)
-                for i in range(len(self.layers)):
-                    hidden = self.run_layer(i, hidden, overrides)
-                return self.logits(hidden, overrides)
-        hidden = self.embed(input_ids)
-        for i in range(len(self.layers)):
-            hidden = self.run_layer(i, hidden, overrides)
-        return self.logits(hidden, overrides)

@@ -2,22 +2,25 @@
 
 Damage of cell (g, f) = mean over calibration tokens of KL(P_ref || P_q), the next-token
 distributions of the unquantized model and of the model with only group g stored in
-format f (the format's real quantizer). The reference pass runs once and caches the input
-of every layer group, so a cell re-runs only from its group onward. The map is written
-atomically after every cell; `resume` continues a partial map, and the result is the same
-bytes as an uninterrupted scan (no timings or paths that vary are stored in it).
+format f (the format's real quantizer). The reference pass runs once on the engine and caches
+the input of every layer group and the reference's log-probabilities; then each group's formats
+walk together as tracks from the group onward (engine.py), so every later layer and the head are
+read once per group sweep, not once per cell. The map is written atomically after every sweep;
+`resume` continues a partial map, and the result is the same bytes as an uninterrupted scan (no
+timings or paths that vary are stored in it), and the same bytes as the one-cell-at-a-time scan
+before the engine (float32 on the CPU).
 
-Cost model, L decoder layers, T calibration tokens: the reference pass is L layer-forwards
-and one head per token; a cell at layer i costs (L - i) layer-forwards and two heads (the
-reference logits are recomputed from the cached final hidden state rather than stored,
-which would take T x vocab x 4 bytes); an embedding cell costs L layer-forwards and two
-heads; an lm_head cell two heads. Per format: L(L+1)/2 + L layer-forwards and 2(L+2) heads
-per token, plus one layer-forward per group to gather GPTQ/AWQ/imatrix statistics.
+Cost model, L decoder layers, T calibration tokens, F formats: the reference pass is L
+layer-forwards and one head per token; a cell at layer i costs (L - i) layer-forwards and one head
+(the embedding cell L layer-forwards). Per format: L(L+1)/2 + L layer-forwards and L + 2 heads per
+token; layer reads per scan: L(L+1)/2 + L for the sweeps plus L per format for the embedding, whose
+quantized copies (the largest group) are held one at a time so the peak stays what one cell held.
+Without room for the reference (`--memory-cap`), each cell recomputes it from the cached final
+hidden state: one more head per cell. `estimate.py` prices these counts before a scan.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +28,12 @@ from pathlib import Path
 import torch
 
 from .activations import ActivationCache
+from .engine import Track, resolve_device, resolve_dtype
 from .atomic import write_json
 from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
 from .heap import map_large_blocks, return_freed_memory
-from .metrics import DistanceMeter, target_nll, token_kl
+from .metrics import DistanceMeter, kl_from_logprobs, target_nll
 from .schemas import MAP_VERSION, model_header
 from .groups import EMBED, LM_HEAD, NORM, GroupId
 from .sources import ModelSource, open_model, runnable
@@ -101,45 +105,41 @@ def _same_job(a: dict, b: dict) -> bool:
 class Scanner:
     """The measuring machinery of a scan: one reference pass, then any set of quantized groups against it."""
 
-    def __init__(self, source, stream, chunks, batch, cache: ActivationCache, rounding: str):
-        self.source, self.stream, self.chunks, self.batch = source, stream, chunks, batch
+    def __init__(self, source, engine, chunks, batch, cache: ActivationCache, rounding: str):
+        self.source, self.engine, self.stream, self.chunks, self.batch = source, engine, engine.stream, chunks, batch
         self.cache, self.rounding = cache, rounding
         self.batches = [chunks[i:i + batch] for i in range(0, len(chunks), batch)]
-        self.layers = len(stream.layers)
-        vocab = stream.model.config.vocab_size
+        self.layers = engine.layers
+        vocab = self.stream.model.config.vocab_size
         self.keep_reference = cache.budget is None or chunks.numel() * vocab * 4 <= cache.budget
-        self.ref_logits: dict[tuple[int, int, int], torch.Tensor] = {}  # (batch, row, first position)
+        # (batch, row, first position) -> the reference's log-probabilities and argmax, on the host
+        self.ref_logits: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
     def reference(self) -> DistanceMeter:
         """One pass, layer-major (each layer's weights read once), caching every group's input."""
         meter = DistanceMeter()
-        with self.stream.resident(EMBED):
-            hidden = [self.stream.embed(ids) for ids in self.batches]
-        for i in range(self.layers):
-            with self.stream.resident(GroupId.layer_group(i)):
-                for b, h in enumerate(hidden):
-                    self.cache.put(i, b, h)
-                    hidden[b] = self.stream.run_layer(i, h)
+        track = Track(self.engine.embed(self.batches))
+
+        def cache_inputs(i, active):
+            for b, h in enumerate(active[0].hidden):
+                self.cache.put(i, b, h)
+
+        hidden = self.engine.walk([track], before_layer=cache_inputs)[0].hidden
         for b, h in enumerate(hidden):
             self.cache.put(self.layers, b, h)
-        with self._head():
+        with self.engine.head():
             for b, (ids, h) in enumerate(zip(self.batches, hidden)):
                 for r in range(h.shape[0]):
                     for start in range(0, h.shape[1], LOGIT_POSITIONS):
                         logits = self.stream.logits(h[r:r + 1, start:start + LOGIT_POSITIONS])
-                        if self.keep_reference:
-                            self.ref_logits[(b, r, start)] = logits
+                        if self.keep_reference:  # what every cell compares against, computed once
+                            self.ref_logits[(b, r, start)] = (torch.log_softmax(logits, dim=-1).cpu(),
+                                                              logits.argmax(-1).cpu())
                         targets = ids[r:r + 1, start + 1:start + 1 + LOGIT_POSITIONS]
                         meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
                         meter.nll_tokens += targets.numel()
         return meter
-
-    def _head(self):
-        stack = contextlib.ExitStack()
-        for g in (NORM, EMBED if self.stream.tied else LM_HEAD):
-            stack.enter_context(self.stream.resident(g))
-        return stack
 
     def calibration(self, group: Group) -> dict[str, Calibration]:
         """Statistics the rounding needs for each tensor of the group, from reference inputs."""
@@ -149,7 +149,7 @@ class Scanner:
 
         names = [t.name for t in group.quantizable]
         inputs = (self.cache.get(group.start, b) for b in range(len(self.batches)))
-        stats = layer_statistics(self.stream, group.start, names, self.rounding, inputs)
+        stats = layer_statistics(self.engine, group.start, names, self.rounding, inputs)
         return {n: stats.calibration(n) for n in names}
 
     def quantized(self, group: Group, fmt: Format, calibration: dict[str, Calibration]) -> dict[str, torch.Tensor]:
@@ -160,39 +160,41 @@ class Scanner:
         return out
 
     @torch.no_grad()
-    def cell(self, group: Group, overrides: dict[str, torch.Tensor]) -> DistanceMeter:
-        """Re-run from the group onward, layer-major, and compare with the reference logits."""
+    def sweep(self, group: Group, variants: dict[str, dict[str, torch.Tensor]]) -> dict[str, DistanceMeter]:
+        """Damage of every variant of one group (key -> its replaced tensors), measured in one walk:
+        each later layer and the head are read once for all variants."""
         if group.start < 0:
-            with self.stream.resident(EMBED, overrides):
-                hidden = [self.stream.embed(ids) for ids in self.batches]
-            start = 0
-        elif group.start < self.layers:
-            hidden = [self.cache.get(group.start, b) for b in range(len(self.batches))]
-            start = group.start
+            with self.stream.resident(EMBED):
+                tracks = []
+                for key, overrides in variants.items():
+                    with self.stream.swapped(EMBED, overrides):
+                        tracks.append(Track([self.stream.embed(ids) for ids in self.batches], 0, overrides, key))
         else:
-            hidden = [self.cache.get(self.layers, b) for b in range(len(self.batches))]
-            start = self.layers
-        for i in range(start, self.layers):
-            with self.stream.resident(GroupId.layer_group(i), overrides):
-                hidden = [self.stream.run_layer(i, h) for h in hidden]
-        return self.head_distances(hidden, overrides)
+            point = min(group.start, self.layers)
+            inputs = [self.cache.get(point, b) for b in range(len(self.batches))]
+            tracks = [Track(list(inputs), point, overrides, key) for key, overrides in variants.items()]
+        self.engine.walk(tracks)
+        return self.head_distances(tracks)
 
     @torch.no_grad()
-    def head_distances(self, hidden: list[torch.Tensor], overrides: dict[str, torch.Tensor]) -> DistanceMeter:
-        """The final hidden states through the head (quantized if `overrides` holds it) against the reference."""
+    def cell(self, group: Group, overrides: dict[str, torch.Tensor]) -> DistanceMeter:
+        """Re-run from the group onward with `overrides`, and compare with the reference logits."""
+        return self.sweep(group, {None: overrides})[None]
+
+    @torch.no_grad()
+    def head_distances(self, tracks: list[Track]) -> dict[object, DistanceMeter]:
+        """Each track's final hidden states through the head (its own quantized head when it replaces
+        it) against the reference; the reference head is resident once for all tracks."""
         head = EMBED if self.stream.tied else LM_HEAD
         head_weight = next(n for n in self.stream.group_tensors(head) if n.endswith("weight"))
-        if head_weight in overrides:
-            # The cell quantizes the head itself: hold the reference and the quantized matrix side by
-            # side (two copies of the largest group) instead of reloading one per logits slice.
-            device, dtype = self.stream.device, self.stream.dtype  # moved once, not per slice
-            reference = None if self.keep_reference else self.source.read(head_weight, dtype=dtype).to(device)
-            quantized = overrides[head_weight].to(device, dtype)
-            with self.stream.resident(NORM):
-                return self._distances(hidden, lambda x: self.stream.logits_with(x, reference),
-                                       lambda x: self.stream.logits_with(x, quantized))
-        with self._head():
-            return self._distances(hidden, self.stream.logits, self.stream.logits)
+        meters = {}
+        with self.engine.head():
+            for track in tracks:
+                quantized = track.replacements(head).get(head_weight)
+                q_head = (self.stream.logits if quantized is None
+                          else lambda x, w=quantized: self.stream.logits_with(x, w))
+                meters[track.key] = self._distances(track.hidden, self.stream.logits, q_head)
+        return meters
 
     def _distances(self, hidden: list[torch.Tensor], ref_head, q_head) -> DistanceMeter:
         """KL and top-1 per sequence, logits computed LOGIT_POSITIONS at a time: two (slice x vocab)
@@ -204,13 +206,32 @@ class Scanner:
                 kl, agree = [], []
                 for start in range(0, h.shape[1], LOGIT_POSITIONS):
                     end = start + LOGIT_POSITIONS
-                    ref = (self.ref_logits[(b, r, start)] if self.keep_reference
-                           else ref_head(final[r:r + 1, start:end]))
                     q = q_head(h[r:r + 1, start:end])
-                    kl.append(token_kl(ref, q))
-                    agree.append(ref.argmax(-1) == q.argmax(-1))
+                    if self.keep_reference:
+                        ref_logprobs, ref_top = (t.to(q.device) for t in self.ref_logits[(b, r, start)])
+                    else:
+                        ref = ref_head(final[r:r + 1, start:end])
+                        ref_logprobs, ref_top = torch.log_softmax(ref, dim=-1), ref.argmax(-1)
+                    kl.append(kl_from_logprobs(ref_logprobs, q).cpu())
+                    agree.append((ref_top == q.argmax(-1)).cpu())
                 meter.record(torch.cat(kl, -1), torch.cat(agree, -1))
         return meter
+
+
+def format_batches(group: Group, formats: list[Format], limit: int) -> list[list[Format]]:
+    """Formats of one group split into sweeps whose quantized copies together stay under `limit` bytes
+    (at least one format per sweep), so a sweep never holds more than the largest single cell did."""
+    out, current, held = [], [], 0
+    size = sum(t.numel * 4 for t in group.quantizable)
+    for fmt in formats:
+        if current and held + size > limit:
+            out.append(current)
+            current, held = [], 0
+        current.append(fmt)
+        held += size
+    if current:
+        out.append(current)
+    return out
 
 
 def _separable_fraction(groups: list[dict], formats: list[str]) -> float | None:
@@ -229,15 +250,18 @@ def _separable_fraction(groups: list[dict], formats: list[str]) -> float | None:
 
 def scan(model: str | Path | None = None, calibration: str | Path | None = None, max_tokens: int = 8192,
          formats: str | list[str] = "Q8_0,Q6_K,Q4_K,Q3_K,Q2_K", group_by: str = "layer",
-         out: str | Path = "sensitivity.json", resume: bool = False, device: str = "cpu",
+         out: str | Path = "sensitivity.json", resume: bool = False, device: str = "auto",
          memory_cap: int | None = None, rounding: str = "rtn", seq_len: int = 512, batch: int = 4,
-         progress: bool = True, method: str = "exact") -> dict:
-    """Measure the damage of every group at every format; returns the map (also written to `out`)."""
+         progress: bool = True, method: str = "exact", dtype: str = "auto", gpu_memory: int | None = None,
+         log=None, estimate: bool = False) -> dict:
+    """Measure the damage of every group at every format; returns the map (also written to `out`).
+
+    With `estimate`, measures nothing and writes nothing: returns {"estimate": ...}, the counts and the
+    time the scan would take (estimate.py). With `log`, that estimate is also shown before a scan."""
     from transformers import AutoTokenizer
 
     from .paths import guard_output, input_paths, model_paths
-    from .quant.device import check_device
-    from .runner import StreamedModel
+    from .engine import Engine
 
     if method not in METHODS:
         raise CardfitError(f"unknown --method '{method}'", "use --method exact or --method fast")
@@ -250,7 +274,8 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                            "e.g. --max-tokens 8192 --seq-len 512 --batch 4")
     if group_by not in ("layer", "tensor"):
         raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
-    check_device(device)
+    resolve_device(device)
+    resolve_dtype(dtype, torch.device("cpu"))
     fmts = parse_formats(formats)
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
@@ -261,7 +286,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method)
     out = Path(out)
     result = None
-    if out.exists():
+    if out.exists() and (resume or not estimate):
         if not resume:
             raise CardfitError(f"{out} exists", "pass --resume to continue it, or choose another --out")
         from .maps import read_map
@@ -286,41 +311,78 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     todo = [(i, g, f) for i, g in enumerate(groups) for f in fmts
             if f.name not in result["groups"][i]["cells"]]
     if not todo and result.get("complete"):
-        return result  # a finished map of this very job: nothing to measure again
+        return {"estimate": None} if estimate else result  # a finished map of this very job: nothing to measure
     if method == "fast":
-        return _fast_cells(source, chunks, groups, todo, result, out, device, batch)
+        if estimate:
+            raise CardfitError("--estimate prices the exact scan", "drop --estimate, or use --method exact")
+        return _fast_cells(source, chunks, groups, todo, result, out, str(resolve_device(device)[0]), batch)
     map_large_blocks()
-    stream = StreamedModel(source, device=device)
+    engine = Engine(source, device, dtype, gpu_memory, log=log)
     budget = None if memory_cap is None else memory_cap // 2
     cache = ActivationCache(budget, spill_dir=out.parent)
-    scanner = Scanner(source, stream, chunks, batch, cache, rounding)
+    scanner = Scanner(source, engine, chunks, batch, cache, rounding)
+    # quantized copies held at once: never more than the largest group's single copy (the old one-cell peak)
+    limit = max(sum(t.numel * 4 for t in g.quantizable) for g in groups)
+    if estimate or log:
+        from .estimate import estimate_scan
+
+        try:
+            guess = estimate_scan(scanner, groups, todo, limit, fmts)
+        finally:
+            if estimate:
+                cache.close()
+                engine.close()
+        engine.loads.clear()
+        if log:
+            log(guess.render())
+        if estimate:
+            return {"estimate": guess.as_dict()}
     bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
     try:
         ref = scanner.reference()
         return_freed_memory()
         result["reference"] = {"perplexity": round(ref.perplexity, 6)}
-        current = None
-        for i, group, fmt in todo:
+        for i, group in enumerate(groups):
+            pending = [f for (j, _, f) in todo if j == i]
+            if not pending:
+                continue
             entry = result["groups"][i]
-            if current != group.name:
-                calibration_stats, current = scanner.calibration(group), group.name
-            if bar:
-                bar.set_description(f"{group.name} @ {fmt.name}")
-            if all(fmt.storage(t.name, t.shape) == "F32" for t in group.quantizable) or not group.quantizable:
+            free = [f for f in pending if not group.quantizable
+                    or all(f.storage(t.name, t.shape) == "F32" for t in group.quantizable)]
+            for fmt in free:
                 entry["cells"][fmt.name] = {"damage": 0.0, "stderr": 0.0, "top1": 1.0}
-            else:
-                meter = scanner.cell(group, scanner.quantized(group, fmt, calibration_stats))
-                stderr = meter.kl_stderr  # undefined over a single chunk: recorded as null, not NaN
-                entry["cells"][fmt.name] = {"damage": meter.kl, "stderr": stderr if math.isfinite(stderr) else None,
-                                            "top1": meter.top1}
-            write_json(out, result)
-            return_freed_memory()
-            if bar:
-                bar.update(1)
+            measured = [f for f in pending if f not in free]
+            calibration_stats = scanner.calibration(group) if measured else {}
+            for sweep_formats in format_batches(group, measured, limit):
+                if bar:
+                    bar.set_description(f"{group.name} @ {','.join(f.name for f in sweep_formats)}")
+                with engine.quantizers():
+                    variants = {f.name: scanner.quantized(group, f, calibration_stats) for f in sweep_formats}
+                meters = scanner.sweep(group, variants)
+                del variants
+                for fmt in sweep_formats:
+                    meter = meters[fmt.name]
+                    stderr = meter.kl_stderr  # undefined over a single chunk: recorded as null, not NaN
+                    entry["cells"][fmt.name] = {"damage": meter.kl,
+                                                "stderr": stderr if math.isfinite(stderr) else None,
+                                                "top1": meter.top1}
+                write_json(out, result)
+                return_freed_memory()
+                if bar:
+                    bar.update(len(sweep_formats))
+            entry["cells"] = {f.name: entry["cells"][f.name] for f in fmts if f.name in entry["cells"]}
+            if free:
+                write_json(out, result)
+                if bar:
+                    bar.update(len(free))
     finally:
         cache.close()
+        engine.close()
         if bar:
             bar.close()
+    if log:
+        sweeps = sum(len(format_batches(g, [f for (j, _, f) in todo if j == i], limit)) for i, g in enumerate(groups))
+        log(f"read decoder layers {engine.layer_loads()} times ({engine.layers} layers, {sweeps} group sweeps)")
     fraction = _separable_fraction(result["groups"], result["formats"])
     result["separable_fraction"] = fraction
     if fraction is not None and fraction < 0.5:

@@ -125,18 +125,18 @@ def test_reference_logits_run_the_reference_once_per_chunk(tiny_model, monkeypat
     import torch
 
     from cardfit.check import ReferenceLogits
-    from cardfit.runner import StreamedModel
+    from cardfit.engine import Engine
     from cardfit.sources import open_model
 
     model_dir = tiny_model("llama-wide")
     calls = []
-    forward = StreamedModel.forward
-    monkeypatch.setattr(StreamedModel, "forward", lambda self, ids: calls.append(ids.shape) or forward(self, ids))
+    forward = Engine.forward
+    monkeypatch.setattr(Engine, "forward", lambda self, ids: calls.append(ids.shape) or forward(self, ids))
     shared = ReferenceLogits(model_dir)
     ids = torch.randint(0, 100, (2, 16))
     first, again = shared(ids), shared(ids.clone())
     assert len(calls) == 1 and torch.equal(first, again)
-    assert torch.equal(first, forward(StreamedModel(open_model(model_dir, run=True)), ids))
+    assert torch.equal(first, forward(Engine(open_model(model_dir, run=True), "cpu"), ids))
     shared(ids[:, :8])
     assert len(calls) == 2
     # Past its byte budget it computes again instead of holding more (the same values).

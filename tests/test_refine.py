@@ -10,7 +10,7 @@ def _plain_kl(model_dir, chunks, assignment, data):
     """The recipe measured the simple way: every quantized tensor held at once, whole-model forwards."""
     from cardfit.evaluate import measure
     from cardfit.formats import get_format
-    from cardfit.runner import StreamedModel
+    from cardfit.engine import Engine
     from cardfit.sources import open_model
 
     source = open_model(model_dir)
@@ -21,7 +21,7 @@ def _plain_kl(model_dir, chunks, assignment, data):
             weight = source.read(name)
             if weight.dim() >= 2:
                 overrides[name] = fmt.roundtrip(name, weight, None, "rtn")
-    return measure(StreamedModel(source), chunks, overrides).kl
+    return measure(Engine(source, "cpu"), chunks, overrides).kl
 
 
 @pytest.fixture

@@ -8,14 +8,14 @@ from cardfit.evaluate import measure
 from cardfit.formats import get_format, is_decoder_linear
 from cardfit.metrics import DistanceMeter, token_kl
 from cardfit.quant.model import quantize_model
-from cardfit.runner import StreamedModel
+from cardfit.engine import Engine
 from cardfit.sources import open_model
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_streamed_forward_equals_full_model(tiny_models, kind):
     source = open_model(tiny_models[kind])
-    stream = StreamedModel(source)
+    stream = Engine(source, "cpu")
     ids = torch.randint(0, 49152, (2, 40), generator=torch.Generator().manual_seed(0))
     ours = stream.forward(ids)
     full = AutoModelForCausalLM.from_pretrained(tiny_models[kind], dtype=torch.float32)
@@ -23,12 +23,12 @@ def test_streamed_forward_equals_full_model(tiny_models, kind):
         theirs = full(ids).logits
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4)
     # nothing stays resident afterwards
-    assert all(p.device.type == "meta" for p in stream.model.parameters())
+    assert all(p.device.type == "meta" for p in stream.stream.model.parameters())
 
 
 def test_overrides_change_only_what_they_name(tiny_models):
     source = open_model(tiny_models["llama"])
-    stream = StreamedModel(source)
+    stream = Engine(source, "cpu")
     ids = torch.randint(0, 49152, (1, 16), generator=torch.Generator().manual_seed(1))
     base = stream.forward(ids)
     name = "model.layers.1.mlp.down_proj.weight"
@@ -54,7 +54,7 @@ def test_kl_matches_float64_direct_computation():
 
 def test_quantize_model_assigns_every_decoder_linear(tiny_models):
     source = open_model(tiny_models["qwen2"])
-    stream = StreamedModel(source)
+    stream = Engine(source, "cpu")
     chunks = torch.randint(0, 49152, (4, 32), generator=torch.Generator().manual_seed(2))
     fmt = get_format("W4A16-g64")
     overrides = quantize_model(stream, chunks, lambda n: fmt if is_decoder_linear(n, (2, 2)) else None, "gptq",
@@ -73,7 +73,7 @@ def test_gptq_and_awq_beat_rtn_on_the_real_model(default_model_dir):
     from cardfit.text import load_text, token_chunks
 
     source = open_model(default_model_dir)
-    stream = StreamedModel(source)
+    stream = Engine(source, "cpu")
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     # GPTQ is calibration-hungry (seed rtn-gptq-awq-from-scratch.txt): with 2048 tokens it loses to RTN here.
     calib = token_chunks(tok, load_text(None)[0], 512, 4096)

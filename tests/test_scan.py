@@ -50,14 +50,14 @@ def test_cells_equal_the_slow_way(tiny_models, tmp_path):
 
     from cardfit.formats import get_format
     from cardfit.metrics import token_kl
-    from cardfit.runner import StreamedModel
+    from cardfit.engine import Engine
     from cardfit.sources import open_model
     from cardfit.text import token_chunks
 
     text = small_text(tmp_path)
     result = run_scan(tiny_models["llama"], text, tmp_path / "map.json")
     source = open_model(tiny_models["llama"])
-    stream = StreamedModel(source)
+    stream = Engine(source, "cpu")
     tok = AutoTokenizer.from_pretrained(source.path)
     chunks = token_chunks(tok, text.read_text(), 32, 256)
     ref = stream.forward(chunks)

@@ -25,9 +25,9 @@ def recipe_target(recipe: dict):
 
 def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | Path = "model.gguf",
          format: str | None = None, method: str = "rtn", calibration: str | Path | None = None,
-         max_tokens: int = 4096, seq_len: int = 512, force: bool = False, device: str = "cpu",
+         max_tokens: int = 4096, seq_len: int = 512, force: bool = False, device: str = "auto",
          progress: bool = True, smoke: bool = True, ceiling: float | None = None,
-         imatrix: str | Path | None = None) -> dict:
+         imatrix: str | Path | None = None, gpu_memory: int | None = None) -> dict:
     """Pack `recipe` for `model`; returns a report (also what the CLI prints).
 
     `imatrix` is a llama.cpp importance matrix file (GGUF) to round with instead of collecting one."""
@@ -76,7 +76,7 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
 
         calib = ImatrixFile(imatrix, source)
     else:
-        calib = _calibration(source, method, calibration, max_tokens, seq_len, device)
+        calib = _calibration(source, method, calibration, max_tokens, seq_len, device, gpu_memory)
     bar = _bar(progress, len(formats))
     tick = (lambda name: (bar.set_description(name), bar.update(1))) if bar else None
     try:
@@ -132,7 +132,7 @@ def render_pack(report: dict) -> str:
     return "\n".join(lines + [f"warning: {w}" for w in report["warnings"]])
 
 
-def _calibration(source, method, calibration, max_tokens, seq_len, device):
+def _calibration(source, method, calibration, max_tokens, seq_len, device, gpu_memory=None):
     if method == "rtn":
         return None
     from transformers import AutoTokenizer
@@ -143,7 +143,7 @@ def _calibration(source, method, calibration, max_tokens, seq_len, device):
     text, path = load_text(calibration)
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(path))
-    return LayerCalibration(source, chunks, method, device=device)
+    return LayerCalibration(source, chunks, method, device=device, gpu_memory=gpu_memory)
 
 
 def _bar(enabled: bool, total: int):

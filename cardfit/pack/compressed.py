@@ -11,6 +11,8 @@ written per layer group, so only one group is resident while packing.
 
 from __future__ import annotations
 
+import contextlib
+
 import errno
 import json
 import shutil
@@ -116,6 +118,8 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
         raise CardfitError(f"the checkpoint would hold {format_bytes(predicted)} of weights, over the "
                            f"{format_bytes(budget)} weight budget", "re-plan for this budget")
     groups = [g for g in source.groups().items() if any(t.name in formats for t in g[1])]
+    engine = getattr(calibration, "engine", None)
+    quantizers = engine.quantizers if engine is not None else contextlib.nullcontext
     weight_map, total = {}, 0
     for k, (group, tensors) in enumerate(groups):
         layer = GroupId(group).layer
@@ -136,8 +140,9 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
             fmt = formats[t.name]
             rounding = method if method in fmt.methods() and t.name in stats and method != "awq" else "rtn"
             weight = folded[t.name] if t.name in folded else source.read(t.name)
-            stored, effective[t.name] = compress_tensor(t.name, weight, fmt, stats.get(t.name),
-                                                        rounding, storage_dtype(t.dtype))
+            with quantizers():  # GPTQ works on the calibration's device, under its --gpu-memory
+                stored, effective[t.name] = compress_tensor(t.name, weight, fmt, stats.get(t.name),
+                                                            rounding, storage_dtype(t.dtype))
             shard.update(stored)
             if progress:
                 progress(t.name)

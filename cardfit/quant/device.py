@@ -7,6 +7,9 @@ peak is therefore a measurement of what the algorithm actually held, on CPU or C
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 
 from ..errors import CardfitError
@@ -67,3 +70,23 @@ class DeviceArena:
     def free(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
             self.current -= self._sizes.pop(id(t), 0)
+
+
+_current_arena: ContextVar["DeviceArena | None"] = ContextVar("cardfit_quantizer_arena", default=None)
+
+
+@contextmanager
+def quantizers_on(device: str | torch.device, cap_bytes: int | None = None):
+    """Quantizers called inside put their working tensors on `device`, counted against `cap_bytes`:
+    how a stage running on a GPU (`--device`, `--gpu-memory`) bounds what GPTQ holds there."""
+    arena = DeviceArena(device, cap_bytes)
+    token = _current_arena.set(arena)
+    try:
+        yield arena
+    finally:
+        _current_arena.reset(token)
+
+
+def arena_for(weight: torch.Tensor) -> DeviceArena:
+    """The stage's arena when one is set, else an uncapped one where the weight lives."""
+    return _current_arena.get() or DeviceArena(weight.device)

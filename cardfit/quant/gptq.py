@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .device import DeviceArena
+from .device import DeviceArena, arena_for
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,7 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01) -> tuple[t
 def gptq_quantize(fmt, weight: torch.Tensor, hessian: torch.Tensor, *, block_size: int = 128, damp: float = 0.01,
                   act_order: bool = False, arena: DeviceArena | None = None, row_chunk: int | None = None):
     """(int8 values, scales, zero points) in `fmt`'s layout, rounding chosen to minimise ||XW^T - XQ^T||."""
-    arena = arena or DeviceArena(weight.device)
+    arena = arena or arena_for(weight)
     out_f, in_f = weight.shape
     if row_chunk is None:  # decided before the expensive factorisation, so an impossible cap fails fast
         row_chunk = _rows_that_fit(arena, in_f, block_size, out_f)

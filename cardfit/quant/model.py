@@ -74,9 +74,10 @@ class _LinearStats:
 
 
 @torch.no_grad()
-def layer_statistics(stream, index: int, names: list[str], method: str, hidden, awq_samples: int = 4096,
+def layer_statistics(engine, index: int, names: list[str], method: str, hidden, awq_samples: int = 4096,
                      seed: int = 0) -> _LinearStats:
     """Run decoder layer `index` over every batch of `hidden`, recording what `method` needs of `names`."""
+    stream = engine.stream
     with stream.resident(GroupId.layer_group(index)):
         stats = _LinearStats(stream, names, method, awq_samples, seed=seed)
         try:
@@ -90,7 +91,7 @@ def layer_statistics(stream, index: int, names: list[str], method: str, hidden, 
 
 
 @torch.no_grad()
-def quantize_model(stream, chunks: torch.Tensor, format_for: Callable[[str], Format | None], method: str = "rtn",
+def quantize_model(engine, chunks: torch.Tensor, format_for: Callable[[str], Format | None], method: str = "rtn",
                    batch: int = 4, awq_samples: int = 4096, progress: Callable[[str], None] | None = None
                    ) -> dict[str, torch.Tensor]:
     """Effective (dequantized) weights by tensor name for every tensor `format_for` assigns a format.
@@ -98,16 +99,17 @@ def quantize_model(stream, chunks: torch.Tensor, format_for: Callable[[str], For
     `method` is rtn, gptq, awq or imatrix; formats that do not take a method fall back to
     the closest they do (imatrix on integer formats is rtn; gptq on GGUF types is imatrix).
     """
+    stream = engine.stream
     overrides: dict[str, torch.Tensor] = {}
-    hidden = [stream.embed(chunks[i:i + batch]) for i in range(0, len(chunks), batch)]
-    for index in range(len(stream.layers)):
+    hidden = engine.embed(chunks[i:i + batch] for i in range(0, len(chunks), batch))
+    for index in range(engine.layers):
         group = GroupId.layer_group(index)
         names = [t.name for t in stream.groups[group] if len(t.shape) == 2 and format_for(t.name) is not None]
-        stats = layer_statistics(stream, index, names, method, hidden, awq_samples, seed=index)
-        for shared in stats.input_groups():
-            _quantize_shared(stream, shared, stats, format_for, method, overrides)
-        with stream.resident(group, overrides):
-            hidden = [stream.run_layer(index, h) for h in hidden]
+        stats = layer_statistics(engine, index, names, method, hidden, awq_samples, seed=index)
+        with engine.quantizers():
+            for shared in stats.input_groups():
+                _quantize_shared(stream, shared, stats, format_for, method, overrides)
+        hidden = engine.step(index, hidden, overrides)  # the next layer sees this one quantized
         if progress:
             progress(group)
     for group in (EMBED, LM_HEAD):

@@ -1,0 +1,183 @@
+"""The one executor: every walk through the model (scan, refine, calibration, imatrix collection,
+quantize_model, check's reference) runs here, layer-major, with many *tracks* per resident layer.
+
+A track is the hidden states of the calibration batches under one set of replaced tensors: one
+format of one group, a whole recipe, the reference. `walk` reads each decoder layer once and moves
+every track through it (the track's replacements swapped in and back), so a sweep of F formats of
+a group reads each later layer once instead of F times, and the head once instead of F times.
+The engine counts every group read (`loads`); the scan reports them.
+
+Where the walk runs is the device policy of `resolve_device` and `resolve_dtype`: CUDA when torch
+sees it, decoder layers in bfloat16 there (float32 where it matters: embedding, final norm, head,
+log-softmax, KL sums), float32 on the CPU. Residency: on CUDA, layers stay on the device once read
+while they fit under `gpu_memory` (default: 90 % of what is free when the engine starts, less the
+head and a margin for activations), the next layer is read on a background thread while the current
+one computes; on the CPU layers stream (a resident float32 copy would multiply the RSS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import CardfitError
+from .groups import EMBED, LM_HEAD, NORM, GroupId
+
+Overrides = Mapping[str, torch.Tensor]
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(requested: str = "auto") -> tuple[torch.device, str]:
+    """The compute device for `--device` (auto, cpu, cuda, cuda:N) and one line saying which and why."""
+    from .quant.device import check_device
+
+    text = str(requested).strip().lower()
+    if text != "auto":
+        device = check_device(text)
+        return device, f"computing on {device} (--device {requested})"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return torch.device("cuda:0"), f"computing on cuda:0 ({name}; --device auto found CUDA)"
+    why = (f"torch {torch.__version__} has no CUDA" if torch.version.cuda is None
+           else f"torch {torch.__version__} sees no CUDA device")
+    return torch.device("cpu"), f"{why}: computing on the CPU"
+
+
+def resolve_dtype(requested: str | torch.dtype | None, device: torch.device | None) -> torch.dtype:
+    """The decoder layers' compute dtype: bfloat16 on a CUDA device that has it, else float32."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    key = "auto" if requested is None else str(requested).strip().lower()
+    if key not in DTYPES:
+        raise CardfitError(f"unknown --dtype '{requested}'", "use --dtype auto, float32, bfloat16 or float16")
+    if DTYPES[key] is not None:
+        return DTYPES[key]
+    if device is not None and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def default_keep_bytes(device: torch.device, gpu_memory: int | None, source) -> int:
+    """Bytes of decoder layers that may stay resident: none on the CPU, else what `gpu_memory` (or 90 %
+    of the free device memory) leaves after the float32 head and a quarter for activations."""
+    if device.type != "cuda":
+        return 0
+    if gpu_memory is None:
+        free, _ = torch.cuda.mem_get_info(device)
+        gpu_memory = int(free * 0.9)
+    groups = source.groups()
+    head = sum(t.numel * 4 for g in (EMBED, NORM, LM_HEAD) for t in groups.get(g, []))
+    return max(0, int((gpu_memory - head) * 0.75))
+
+
+@dataclass
+class Track:
+    """Hidden states (one tensor per calibration batch) under one set of replaced tensors.
+
+    `start` is the first decoder layer the track runs (its hidden states are that layer's input);
+    `overrides` maps tensor names to replacements, or is a function of a group name giving them
+    (so a whole recipe's quantized tensors are made one layer at a time, as the walk reaches it)."""
+
+    hidden: list[torch.Tensor]
+    start: int = 0
+    overrides: Overrides | Callable[[str], Overrides] = field(default_factory=dict)
+    key: object = None
+
+    def replacements(self, group: str) -> Overrides:
+        return self.overrides(group) if callable(self.overrides) else self.overrides
+
+
+class Engine:
+    """A streamed model plus the walks every stage needs."""
+
+    def __init__(self, source, device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
+                 gpu_memory: int | None = None, log: Callable[[str], None] | None = None):
+        from .runner import StreamedModel
+
+        self.device, self.device_reason = (resolve_device(device) if not isinstance(device, torch.device)
+                                           else (device, f"computing on {device}"))
+        self.dtype = resolve_dtype(dtype, self.device)
+        if log:
+            log(f"{self.device_reason}, decoder layers in {str(self.dtype).removeprefix('torch.')}")
+        keep = default_keep_bytes(self.device, gpu_memory, source)
+        self.stream = StreamedModel(source, device=self.device, dtype=self.dtype, keep_bytes=keep,
+                                    prefetch=self.device.type == "cuda")
+        self.layers = len(self.stream.layers)
+        self.tied = self.stream.tied
+        self.gpu_memory = gpu_memory
+
+    def quantizers(self):
+        """Context in which quantizers work on this engine's device under `gpu_memory` (GPTQ's arena);
+        on the CPU they keep working where the weights are."""
+        import contextlib
+
+        from .quant.device import quantizers_on
+
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return quantizers_on(self.device, self.gpu_memory)
+
+    @property
+    def loads(self):
+        """Group -> number of times its weights were read from the source."""
+        return self.stream.loads
+
+    def layer_loads(self) -> int:
+        return sum(n for g, n in self.loads.items() if g.startswith("layers."))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    # -- walks ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def embed(self, batches: Iterable[torch.Tensor], overrides: Overrides | None = None) -> list[torch.Tensor]:
+        with self.stream.resident(EMBED, overrides):
+            return [self.stream.embed(ids) for ids in batches]
+
+    @torch.no_grad()
+    def walk(self, tracks: list[Track], end: int | None = None,
+             before_layer: Callable[[int, list[Track]], None] | None = None) -> list[Track]:
+        """Move every track from its start through layer `end - 1` (default: the last), each layer read
+        once for all tracks; `before_layer(i, active)` sees the tracks about to enter layer i."""
+        end = self.layers if end is None else end
+        first = min((t.start for t in tracks), default=end)
+        for i in range(first, end):
+            active = [t for t in tracks if t.start <= i]
+            group = GroupId.layer_group(i)
+            if i + 1 < end:
+                self.stream.prefetch(GroupId.layer_group(i + 1))
+            if before_layer:
+                before_layer(i, active)
+            with self.stream.resident(group):
+                for track in active:
+                    with self.stream.swapped(group, track.replacements(group)):
+                        track.hidden = [self.stream.run_layer(i, h) for h in track.hidden]
+        for track in tracks:
+            track.start = max(track.start, end)
+        return tracks
+
+    @torch.no_grad()
+    def step(self, index: int, hidden: list[torch.Tensor], overrides: Overrides | None = None) -> list[torch.Tensor]:
+        """One layer of one track: for walks whose next layer depends on this one's result (GPTQ)."""
+        track = Track(hidden, index, overrides or {})
+        return self.walk([track], end=index + 1)[0].hidden
+
+    def head(self):
+        """Context holding the final norm and the output matrix resident (read once for many tracks)."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        for g in (NORM, EMBED if self.tied else LM_HEAD):
+            stack.enter_context(self.stream.resident(g))
+        return stack
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, overrides: Overrides | None = None) -> torch.Tensor:
+        """Float32 logits of the whole model for one batch of token ids."""
+        track = Track(self.embed([input_ids], overrides), 0, overrides or {})
+        self.walk([track])
+        head = EMBED if self.tied else LM_HEAD
+        return self.stream.logits(track.hidden[0], {n: v for n, v in (overrides or {}).items()
+                                                    if n in self.stream.group_tensors(head)})

@@ -1,0 +1,167 @@
+"""What a scan will cost before it runs: the engine's own counts, priced by a short measured run.
+
+The counts follow the engine's walk exactly (scan.py): one reference pass; per group sweep, one read
+of every later layer and of the head, and per format (L - start) layer-forwards and one head
+forward per token; one quantization per (group, format); for data-aware rounding one more
+forward of the group's layer. The unit times come from this machine: one real decoder layer read
+and run on one calibration batch, a slice of the head, and each format's quantizer on one layer,
+so the estimate already knows the device, the dtype, the thread count and ggml's speed per type.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .formats import Calibration
+from .groups import GroupId
+
+
+@dataclass
+class ScanEstimate:
+    layer_forwards: int  # decoder-layer forwards over one batch of calibration chunks
+    head_forwards: int  # head forwards over one batch
+    layer_reads: int  # decoder layers read from the source
+    quantizations: int  # (group, format) roundtrips
+    flops: float
+    bytes_read: int  # weights read from the source
+    bytes_moved: int  # weights + hidden states crossing to the device
+    peak_bytes: int  # host memory the scan holds at its peak (activations, reference logits, copies)
+    seconds: float
+    calibration_seconds: float  # spent measuring the unit times
+    unit_seconds: dict
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        minutes = self.seconds / 60
+        when = f"about {minutes:.0f} minutes" if minutes >= 2 else f"about {self.seconds:.0f} seconds"
+        return (f"estimate: {self.layer_forwards} layer-forwards and {self.head_forwards} head forwards per batch, "
+                f"{self.layer_reads} layer reads, {self.quantizations} quantizations, {self.flops / 1e12:.1f} TFLOP, "
+                f"{self.bytes_moved / 2**30:.1f} GiB moved, peak ~{self.peak_bytes / 2**30:.2f} GiB: {when} "
+                f"on this device")
+
+
+def layer_flops(geometry, seq_len: int, layer_params: int) -> float:
+    """Per token: 2 x the layer's matrix parameters, plus causal attention (scores and values)."""
+    attention = 2 * 2 * (seq_len / 2) * geometry.num_heads * (geometry.head_dim_k + geometry.head_dim_v) / 2
+    return 2 * layer_params + attention
+
+
+def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
+    """Counts of the scan `todo` will run (scan.py's walk) priced by unit times measured now."""
+    from .scan import format_batches
+
+    engine, source = scanner.engine, scanner.source
+    layers = engine.layers
+    batches = len(scanner.batches)
+    chunk = scanner.batches[0]
+    tokens = int(scanner.chunks.numel())
+    geometry = source.geometry
+    units = _unit_seconds(scanner, formats)
+    calibration_seconds = units.pop("_measured_in")
+
+    layer_forwards = head_forwards = layer_reads = quantizations = 0
+    quant_seconds = 0.0
+    by_group: dict[int, list] = {}
+    for i, _, fmt in todo:
+        by_group.setdefault(i, []).append(fmt)
+    layer_forwards += layers * batches  # the reference
+    head_forwards += batches
+    layer_reads += layers
+    for i, pending in by_group.items():
+        group = groups[i]
+        measured = [f for f in pending if group.quantizable
+                    and not all(f.storage(t.name, t.shape) == "F32" for t in group.quantizable)]
+        if not measured:
+            continue
+        start = 0 if group.start < 0 else min(group.start, layers)
+        params = sum(t.numel for t in group.quantizable)
+        for f in measured:
+            quantizations += 1
+            quant_seconds += units["quantize_per_param"].get(f.name, 0.0) * params
+        if scanner.rounding != "rtn" and 0 <= group.start < layers:
+            layer_forwards += batches
+            layer_reads += 1
+        for sweep in format_batches(group, measured, limit):
+            layer_reads += layers - start
+            layer_forwards += (layers - start) * batches * len(sweep)
+            head_forwards += batches * len(sweep) * (1 if scanner.keep_reference else 2)
+    layer_params = _layer_params(source)
+    head_params = geometry.vocab_size * geometry.hidden_size
+    per_token = layer_flops(geometry, chunk.shape[1], layer_params)
+    flops = (layer_forwards * per_token + head_forwards * 2 * head_params) * chunk.numel()
+    layer_bytes = sum(t.nbytes for t in source.groups()[GroupId.layer_group(0)])
+    hidden_bytes = chunk.numel() * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
+    bytes_read = layer_reads * layer_bytes
+    moved = bytes_read + layer_forwards * hidden_bytes * (2 if engine.device.type == "cuda" else 0)
+    activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
+    reference = tokens * geometry.vocab_size * 4 if scanner.keep_reference else 0
+    peak = activations + reference + limit + 2 * layer_params * 4 + 2 * head_params * 4
+    seconds = (layer_forwards * units["layer_forward"] + head_forwards * units["head_forward"]
+               + layer_reads * units["layer_read"] + quant_seconds)
+    return ScanEstimate(layer_forwards, head_forwards, layer_reads, quantizations, flops, bytes_read, moved, peak,
+                        seconds, calibration_seconds, units)
+
+
+def _layer_params(source) -> int:
+    return sum(t.numel for t in source.groups()[GroupId.layer_group(0)] if len(t.shape) >= 2)
+
+
+@torch.no_grad()
+def _unit_seconds(scanner, formats) -> dict:
+    """Seconds for one layer read, one layer forward over one batch, one head forward over one batch,
+    and each format's quantizer per parameter, measured on this device with the scan's own shapes."""
+    engine, stream, source = scanner.engine, scanner.stream, scanner.source
+    began = time.perf_counter()
+    group = GroupId.layer_group(0)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    t = time.perf_counter()
+    stream.load(group)
+    sync()
+    read = time.perf_counter() - t
+    hidden = engine.embed(scanner.batches[:1])[0]
+    stream.run_layer(0, hidden)  # warm-up: kernels, rotary tables
+    sync()
+    t = time.perf_counter()
+    stream.run_layer(0, hidden)
+    sync()
+    forward = time.perf_counter() - t
+    stream.unload(group)
+    from .scan import LOGIT_POSITIONS
+
+    with engine.head():
+        stream.logits(hidden[:1, :LOGIT_POSITIONS])
+        sync()
+        t = time.perf_counter()
+        stream.logits(hidden[:1, :LOGIT_POSITIONS])
+        sync()
+        slice_seconds = time.perf_counter() - t
+    slices = hidden.shape[0] * -(-hidden.shape[1] // LOGIT_POSITIONS)
+    # The KL of a slice costs about two more vocabulary-wide passes than the logits alone.
+    head_forward = slice_seconds * slices * 1.5
+    largest = max((t for t in source.groups()[group] if len(t.shape) >= 2), key=lambda t: t.numel)
+    weight = source.read(largest.name)
+    per_param = {}
+    for fmt in formats:
+        method = scanner.rounding if scanner.rounding in fmt.methods() else "rtn"
+        t = time.perf_counter()
+        fmt.roundtrip(largest.name, weight, _synthetic_calibration(method, weight), method)
+        per_param[fmt.name] = (time.perf_counter() - t) / weight.numel()
+    return {"layer_read": read, "layer_forward": forward, "head_forward": head_forward,
+            "quantize_per_param": per_param, "_measured_in": time.perf_counter() - began}
+
+
+def _synthetic_calibration(method: str, weight: torch.Tensor) -> Calibration | None:
+    """Statistics of the right shape for timing a data-aware quantizer (its cost does not depend on them)."""
+    columns = weight.shape[-1]
+    if method == "imatrix":
+        return Calibration(imatrix=torch.ones(columns))
+    if method == "gptq":
+        return Calibration(hessian=torch.eye(columns))
+    if method == "awq":
+        return Calibration(inputs=torch.randn(256, columns, generator=torch.Generator().manual_seed(0)))
+    return None

@@ -1,0 +1,181 @@
+"""The execution engine: tracks share one read per layer, compute what separate walks compute, and the
+device and dtype policy says what it chose. CUDA tests run only where torch sees a GPU
+(scripts/gpu-check.sh runs them when one is lent)."""
+
+import json
+
+import pytest
+import torch
+
+from cardfit.engine import Engine, Track, resolve_device, resolve_dtype
+from cardfit.errors import CardfitError
+from cardfit.sources import open_model
+
+
+
+def cuda(test):
+    """Runs where torch sees a GPU (scripts/gpu-check.sh selects these with -m cuda)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+def _chunks(n=2, length=24, seed=0):
+    return torch.randint(0, 49152, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_tracks_equal_separate_walks_and_read_each_layer_once(tiny_models):
+    source = open_model(tiny_models["llama"])
+    engine = Engine(source, "cpu")
+    ids = _chunks()
+    name = "model.layers.1.mlp.down_proj.weight"
+    variants = [{}, {name: torch.zeros_like(source.read(name))}, {name: source.read(name) * 0.5}]
+    alone = []
+    for overrides in variants:
+        track = Track(engine.embed([ids]), 0, overrides)
+        alone.append(engine.walk([track])[0].hidden[0])
+    engine.loads.clear()
+    together = engine.walk([Track(engine.embed([ids]), 0, o) for o in variants])
+    for track, expected in zip(together, alone):
+        assert torch.equal(track.hidden[0], expected)
+    assert not torch.equal(alone[0], alone[1])
+    assert engine.layer_loads() == engine.layers  # three tracks, one read per layer
+    assert all(p.device.type == "meta" for p in engine.stream.model.parameters())  # nothing stays on the CPU
+
+
+def test_tracks_start_where_their_group_is(tiny_models):
+    source = open_model(tiny_models["llama"])
+    engine = Engine(source, "cpu")
+    ids = _chunks()
+    full = Track(engine.embed([ids]))
+    inputs = {}
+    engine.walk([full], before_layer=lambda i, active: inputs.setdefault(i, active[0].hidden))
+    late = Track(list(inputs[1]), 1)
+    engine.loads.clear()
+    engine.walk([late])
+    assert torch.equal(late.hidden[0], full.hidden[0])
+    assert engine.layer_loads() == engine.layers - 1
+
+
+def test_scan_reads_each_later_layer_once_per_group_sweep(tiny_models, tmp_path, calib_text):
+    from cardfit.scan import scan
+
+    lines = []
+    scan(tiny_models["llama"], calib_text, 256, "Q8_0,Q4_K,Q2_K", out=tmp_path / "m.json", seq_len=64,
+         progress=False, device="cpu", log=lines.append)
+    layers = open_model(tiny_models["llama"]).geometry.num_layers
+    assert json.loads((tmp_path / "m.json").read_text())["complete"]
+    # reference L; layer i's sweep L - i for all three formats at once; the embedding (the largest group,
+    # whose copies are held one at a time as before) L per format: L + 3L + L(L+1)/2
+    expected = 4 * layers + layers * (layers + 1) // 2
+    reads = next(line for line in lines if line.startswith("read decoder layers"))
+    assert f"read decoder layers {expected} times" in reads, (reads, expected)
+    assert any(line.startswith("estimate: ") for line in lines)
+
+
+def test_device_auto_says_which_and_why():
+    device, reason = resolve_device("auto")
+    if torch.cuda.is_available():
+        assert device.type == "cuda" and "cuda" in reason
+    else:
+        assert device.type == "cpu" and torch.__version__ in reason and "CPU" in reason
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    with pytest.raises(CardfitError, match="--dtype"):
+        resolve_dtype("fp8", torch.device("cpu"))
+    with pytest.raises(CardfitError, match="--device"):
+        resolve_device("tpu")
+
+
+def test_bfloat16_layers_keep_the_head_in_float32(tiny_models):
+    source = open_model(tiny_models["qwen2"])
+    engine = Engine(source, "cpu", "bfloat16")
+    ids = _chunks()
+    logits = engine.forward(ids)
+    reference = Engine(source, "cpu", "float32").forward(ids)
+    assert logits.dtype == torch.float32
+    # bf16 layers move the logits a little, never the argmax of most positions
+    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+    assert agree > 0.9 and not torch.equal(logits, reference)
+
+
+def test_estimate_writes_nothing(tiny_models, tmp_path, calib_text):
+    from cardfit.scan import scan
+
+    out = tmp_path / "m.json"
+    result = scan(tiny_models["llama"], calib_text, 256, "Q8_0,Q2_K", out=out, seq_len=64, progress=False,
+                  device="cpu", estimate=True)
+    guess = result["estimate"]
+    source = open_model(tiny_models["llama"])
+    layers = source.geometry.num_layers
+    assert guess["layer_reads"] == 3 * layers + layers * (layers + 1) // 2  # as above, two formats
+    matrices = layers + 1 + (0 if source.tied_embeddings else 1)  # the layers, the embedding, an untied head
+    assert guess["quantizations"] == 2 * matrices and guess["seconds"] > 0 and guess["flops"] > 0
+    assert not out.exists()
+
+
+@cuda
+def test_cuda_forward_matches_the_cpu(tiny_models):
+    source = open_model(tiny_models["qwen2"])
+    ids = _chunks()
+    on_cpu = Engine(source, "cpu", "float32").forward(ids)
+    on_gpu = Engine(source, "cuda", "float32").forward(ids).cpu()
+    assert torch.allclose(on_cpu, on_gpu, atol=1e-3, rtol=1e-3)
+
+
+@cuda
+def test_cuda_layers_stay_resident_under_the_budget(tiny_models):
+    source = open_model(tiny_models["llama"])
+    engine = Engine(source, "cuda", gpu_memory=1 << 30)
+    ids = _chunks()
+    engine.forward(ids)
+    engine.forward(ids)
+    assert engine.layer_loads() == engine.layers  # the second walk read nothing
+
+
+@cuda
+def test_cuda_scan_map_matches_the_cpu_map_within_stderr(tiny_models, tmp_path, calib_text):
+    from cardfit.scan import scan
+
+    maps = {d: scan(tiny_models["llama"], calib_text, 512, "Q8_0,Q2_K", out=tmp_path / f"{d}.json", seq_len=64,
+                    progress=False, device=d) for d in ("cpu", "cuda")}
+    for a, b in zip(maps["cpu"]["groups"], maps["cuda"]["groups"]):
+        for f, cell in a["cells"].items():
+            other = b["cells"][f]
+            tolerance = 3 * ((cell["stderr"] or 0) ** 2 + (other["stderr"] or 0) ** 2) ** 0.5 + 1e-4
+            assert abs(cell["damage"] - other["damage"]) <= tolerance, (a["name"], f, cell, other)
+
+
+def test_bfloat16_map_matches_the_float32_map_within_standard_errors(embedded_fit):
+    """The embedded model's map computed with bf16 decoder layers on the CPU against fit's float32 map
+    (same tokens, formats and rounding): every cell within two standard errors of the difference
+    (the test that must also hold on CUDA, where bf16 is the default)."""
+    from cardfit.scan import scan
+
+    out, _ = embedded_fit
+    f32 = json.loads((out / "sensitivity.json").read_text())
+    bf16 = scan(None, None, f32["calibration"]["tokens"], f32["formats"], out=out.parent / "bf16.json",
+                seq_len=f32["calibration"]["seq_len"], progress=False, device="cpu", dtype="bfloat16")
+    worst = 0.0
+    for a, b in zip(f32["groups"], bf16["groups"]):
+        for f, cell in a["cells"].items():
+            other = b["cells"][f]
+            spread = ((cell["stderr"] or 0) ** 2 + (other["stderr"] or 0) ** 2) ** 0.5
+            worst = max(worst, abs(cell["damage"] - other["damage"]) / max(spread, 1e-9))
+    assert worst <= 2.0, worst
+
+
+def test_a_stage_arena_bounds_what_gptq_holds():
+    """quantizers_on is how a stage on a GPU caps GPTQ (--gpu-memory): the quantizer's device tensors
+    are counted against the stage's cap, on whatever device the stage names."""
+    from cardfit.formats import Calibration, get_format
+    from cardfit.quant import quantize_int
+    from cardfit.quant.device import quantizers_on
+
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 256, generator=g), torch.randn(512, 256, generator=g)
+    calibration = Calibration(hessian=x.T @ x / 512)
+    fmt = get_format("W4A16-g64")
+    with quantizers_on("cpu", 1024), pytest.raises(CardfitError, match="MiB"):
+        quantize_int(fmt, weight, calibration, "gptq")
+    with quantizers_on("cpu", 1 << 20) as arena:
+        capped = quantize_int(fmt, weight, calibration, "gptq")
+    assert 0 < arena.peak <= 1 << 20
+    assert torch.equal(capped[0], quantize_int(fmt, weight, calibration, "gptq")[0])  # same rounding, less held
