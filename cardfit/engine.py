@@ -8,8 +8,8 @@ a group reads each later layer once instead of F times, and the head once instea
 The engine counts every group read (`loads`); the scan reports them.
 
 Where the walk runs is the device policy of `resolve_device` and `resolve_dtype`: CUDA when torch
-sees it, decoder layers in bfloat16 there (float32 where it matters: embedding, final norm, head,
-log-softmax, KL sums), float32 on the CPU. Residency: on CUDA, layers stay on the device once read
+sees it; decoder layers in float32 unless `--dtype bfloat16` is asked for (the embedding, final norm,
+head, log-softmax and KL sums are float32 always; resolve_dtype says why bf16 is not the default). Residency: on CUDA, layers stay on the device once read
 while they fit under `gpu_memory` (default: 90 % of what is free when the engine starts, less the
 head and a margin for activations), the next layer is read on a background thread while the current
 one computes; on the CPU layers stream (a resident float32 copy would multiply the RSS).
@@ -46,17 +46,16 @@ def resolve_device(requested: str = "auto") -> tuple[torch.device, str]:
 
 
 def resolve_dtype(requested: str | torch.dtype | None, device: torch.device | None) -> torch.dtype:
-    """The decoder layers' compute dtype: bfloat16 on a CUDA device that has it, else float32."""
+    """The decoder layers' compute dtype: float32 unless asked. Measured on the embedded model, bfloat16
+    layers add a floor of 2e-4..1e-3 nats to every cell (Q8_0 cells 10-40x too high, Q4_K up to 82 % off;
+    Q2_K within 8 %), which would blur exactly the near-lossless choices a plan makes; so bf16 is an
+    opt-in for coarse, low-bit scans, on CUDA as on the CPU (docs/benchmarks.md, issue 18)."""
     if isinstance(requested, torch.dtype):
         return requested
     key = "auto" if requested is None else str(requested).strip().lower()
     if key not in DTYPES:
         raise CardfitError(f"unknown --dtype '{requested}'", "use --dtype auto, float32, bfloat16 or float16")
-    if DTYPES[key] is not None:
-        return DTYPES[key]
-    if device is not None and device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    return DTYPES[key] or torch.float32
 
 
 def default_keep_bytes(device: torch.device, gpu_memory: int | None, source) -> int:

@@ -143,23 +143,24 @@ def test_cuda_scan_map_matches_the_cpu_map_within_stderr(tiny_models, tmp_path, 
             assert abs(cell["damage"] - other["damage"]) <= tolerance, (a["name"], f, cell, other)
 
 
-def test_bfloat16_map_matches_the_float32_map_within_standard_errors(embedded_fit):
-    """The embedded model's map computed with bf16 decoder layers on the CPU against fit's float32 map
-    (same tokens, formats and rounding): every cell within two standard errors of the difference
-    (the test that must also hold on CUDA, where bf16 is the default)."""
+def test_bfloat16_layers_keep_coarse_cells_and_float32_stays_the_default(embedded_fit):
+    """The embedded model's map with bf16 decoder layers against fit's float32 map (same tokens, formats,
+    rounding). Measured: bf16 adds a floor of 2e-4..1e-3 nats to every cell, which swamps Q8_0 cells
+    (~3e-5) but leaves Q2_K cells within 8 %; that is why `--dtype auto` is float32 everywhere."""
+    from cardfit.engine import resolve_dtype
     from cardfit.scan import scan
 
     out, _ = embedded_fit
     f32 = json.loads((out / "sensitivity.json").read_text())
     bf16 = scan(None, None, f32["calibration"]["tokens"], f32["formats"], out=out.parent / "bf16.json",
                 seq_len=f32["calibration"]["seq_len"], progress=False, device="cpu", dtype="bfloat16")
-    worst = 0.0
     for a, b in zip(f32["groups"], bf16["groups"]):
-        for f, cell in a["cells"].items():
-            other = b["cells"][f]
-            spread = ((cell["stderr"] or 0) ** 2 + (other["stderr"] or 0) ** 2) ** 0.5
-            worst = max(worst, abs(cell["damage"] - other["damage"]) / max(spread, 1e-9))
-    assert worst <= 2.0, worst
+        cell, other = a["cells"]["Q2_K"], b["cells"]["Q2_K"]
+        assert abs(cell["damage"] - other["damage"]) <= 0.15 * cell["damage"] + 1e-6, (a["name"], cell, other)
+    floor = min(b["cells"]["Q8_0"]["damage"] for b in bf16["groups"] if b["cells"]["Q8_0"]["damage"] > 0)
+    typical = sorted(a["cells"]["Q8_0"]["damage"] for a in f32["groups"])[len(f32["groups"]) // 2]
+    assert floor > 3 * typical  # the floor the docs report: bf16 cannot price near-lossless formats
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float32
 
 
 def test_a_stage_arena_bounds_what_gptq_holds():
