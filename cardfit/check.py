@@ -36,19 +36,19 @@ class ReferenceLogits:
         self.device = device
         self.dtype = dtype
         self.max_bytes = max_bytes
-        self._stream = None
+        self._engine = None
         self._logits: dict[bytes, torch.Tensor] = {}
         self._held = 0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         key = ids.to(torch.int64).cpu().numpy().tobytes() + bytes(str(tuple(ids.shape)), "ascii")
         if key not in self._logits:
-            if self._stream is None:
+            if self._engine is None:
                 from .engine import Engine
                 from .sources import open_model
 
-                self._stream = Engine(open_model(self.reference, run=True), device=self.device, dtype=self.dtype)
-            logits = self._stream.forward(ids).to("cpu")
+                self._engine = Engine(open_model(self.reference, run=True), device=self.device, dtype=self.dtype)
+            logits = self._engine.forward(ids).to("cpu")
             if self._held + logits.nbytes > self.max_bytes:
                 return logits
             self._logits[key] = logits

@@ -41,7 +41,7 @@ def _dtype(value: str) -> str:
     from .engine import resolve_dtype
 
     try:
-        resolve_dtype(value, None)
+        resolve_dtype(value)
     except CardfitError as exc:
         raise typer.BadParameter(str(exc)) from None
     return value

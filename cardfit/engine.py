@@ -17,6 +17,7 @@ one computes; on the CPU layers stream (a resident float32 copy would multiply t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ def resolve_device(requested: str = "auto") -> tuple[torch.device, str]:
     return torch.device("cpu"), f"{why}: computing on the CPU"
 
 
-def resolve_dtype(requested: str | torch.dtype | None, device: torch.device | None) -> torch.dtype:
+def resolve_dtype(requested: str | torch.dtype | None) -> torch.dtype:
     """The decoder layers' compute dtype: float32 unless asked. Measured on the embedded model, bfloat16
     layers add a floor of 2e-4..1e-3 nats to every cell (Q8_0 cells 10-40x too high, Q4_K up to 82 % off;
     Q2_K within 8 %), which would blur exactly the near-lossless choices a plan makes; so bf16 is an
@@ -97,7 +98,7 @@ class Engine:
 
         self.device, self.device_reason = (resolve_device(device) if not isinstance(device, torch.device)
                                            else (device, f"computing on {device}"))
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype)
         if log:
             log(f"{self.device_reason}, decoder layers in {str(self.dtype).removeprefix('torch.')}")
         keep = default_keep_bytes(self.device, gpu_memory, source)
@@ -110,8 +111,6 @@ class Engine:
     def quantizers(self):
         """Context in which quantizers work on this engine's device under `gpu_memory` (GPTQ's arena);
         on the CPU they keep working where the weights are."""
-        import contextlib
-
         from .quant.device import quantizers_on
 
         if self.device.type != "cuda":
@@ -165,8 +164,6 @@ class Engine:
 
     def head(self):
         """Context holding the final norm and the output matrix resident (read once for many tracks)."""
-        import contextlib
-
         stack = contextlib.ExitStack()
         for g in (NORM, EMBED if self.tied else LM_HEAD):
             stack.enter_context(self.stream.resident(g))
@@ -177,6 +174,4 @@ class Engine:
         """Float32 logits of the whole model for one batch of token ids."""
         track = Track(self.embed([input_ids], overrides), 0, overrides or {})
         self.walk([track])
-        head = EMBED if self.tied else LM_HEAD
-        return self.stream.logits(track.hidden[0], {n: v for n, v in (overrides or {}).items()
-                                                    if n in self.stream.group_tensors(head)})
+        return self.stream.logits(track.hidden[0], overrides)  # the head takes the names that are its own

@@ -53,7 +53,7 @@ def layer_flops(geometry, seq_len: int, layer_params: int) -> float:
 
 def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
     """Counts of the scan `todo` will run (scan.py's walk) priced by unit times measured now."""
-    from .scan import format_batches
+    from .scan import copy_bytes, format_batches, measured_formats, pending_by_group
 
     engine, source = scanner.engine, scanner.source
     layers = engine.layers
@@ -66,20 +66,16 @@ def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
 
     layer_forwards = head_forwards = layer_reads = quantizations = 0
     quant_seconds = 0.0
-    by_group: dict[int, list] = {}
-    for i, _, fmt in todo:
-        by_group.setdefault(i, []).append(fmt)
     layer_forwards += layers * batches  # the reference
     head_forwards += batches
     layer_reads += layers
-    for i, pending in by_group.items():
+    for i, pending in pending_by_group(todo).items():
         group = groups[i]
-        measured = [f for f in pending if group.quantizable
-                    and not all(f.storage(t.name, t.shape) == "F32" for t in group.quantizable)]
+        measured = measured_formats(group, pending)
         if not measured:
             continue
         start = 0 if group.start < 0 else min(group.start, layers)
-        params = sum(t.numel for t in group.quantizable)
+        params = copy_bytes(group) // 4
         for f in measured:
             quantizations += 1
             quant_seconds += units["quantize_per_param"].get(f.name, 0.0) * params

@@ -85,22 +85,22 @@ class StreamedModel:
             return
         self._prefetched[group] = self._reader.submit(self._read_group, group)
 
-    def load(self, group: str, overrides: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Put one group's weights on the device; `overrides` replaces tensors by name (quantized copies)."""
+    def load(self, group: str) -> None:
+        """Put one group's source weights on the device (nothing read when it is already there);
+        replacements go in through `swapped`, which also puts the originals back."""
         from accelerate.utils import set_module_tensor_to_device
 
-        if group not in self._loaded:
-            future = self._prefetched.pop(group, None)
-            values = future.result() if future is not None else self._read_group(group)
-            dtype = self.group_dtype(group)
-            for name, value in values.items():
-                set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
-            if group == EMBED and self.tied:
-                self.model.lm_head.weight = self.decoder.embed_tokens.weight
-            self._loaded.add(group)
-            self.loads[group] += 1
-        if overrides:
-            self.swap_in(group, overrides)
+        if group in self._loaded:
+            return
+        future = self._prefetched.pop(group, None)
+        values = future.result() if future is not None else self._read_group(group)
+        dtype = self.group_dtype(group)
+        for name, value in values.items():
+            set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
+        if group == EMBED and self.tied:
+            self.model.lm_head.weight = self.decoder.embed_tokens.weight
+        self._loaded.add(group)
+        self.loads[group] += 1
 
     def swap_in(self, group: str, overrides: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Replace the resident group's tensors named in `overrides`; returns the originals for `swap_out`."""
@@ -136,13 +136,14 @@ class StreamedModel:
 
     @contextmanager
     def resident(self, group: str, overrides: Mapping[str, torch.Tensor] | None = None):
+        """The group on the device (with `overrides` swapped in) for the duration; dropped afterwards
+        unless it was already resident."""
         was_loaded = group in self._loaded
         self.load(group)
-        saved = self.swap_in(group, overrides) if overrides else {}
         try:
-            yield
+            with self.swapped(group, overrides):
+                yield
         finally:
-            self.swap_out(saved)
             if not was_loaded:
                 self.unload(group)
 

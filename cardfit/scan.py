@@ -177,11 +177,6 @@ class Scanner:
         return self.head_distances(tracks)
 
     @torch.no_grad()
-    def cell(self, group: Group, overrides: dict[str, torch.Tensor]) -> DistanceMeter:
-        """Re-run from the group onward with `overrides`, and compare with the reference logits."""
-        return self.sweep(group, {None: overrides})[None]
-
-    @torch.no_grad()
     def head_distances(self, tracks: list[Track]) -> dict[object, DistanceMeter]:
         """Each track's final hidden states through the head (its own quantized head when it replaces
         it) against the reference; the reference head is resident once for all tracks."""
@@ -218,11 +213,31 @@ class Scanner:
         return meter
 
 
+def copy_bytes(group: Group) -> int:
+    """Bytes of one quantized (dequantized float32) copy of the group's matrices."""
+    return sum(t.numel * 4 for t in group.quantizable)
+
+
+def measured_formats(group: Group, formats: list[Format]) -> list[Format]:
+    """The formats whose cells a scan must measure: those that store some matrix of the group other
+    than as F32 (the rest cost nothing: damage 0)."""
+    return [f for f in formats if group.quantizable
+            and not all(f.storage(t.name, t.shape) == "F32" for t in group.quantizable)]
+
+
+def pending_by_group(todo: list) -> dict[int, list[Format]]:
+    """The scan's to-do cells (group index, group, format) as group index -> formats, in order."""
+    out: dict[int, list[Format]] = {}
+    for i, _, fmt in todo:
+        out.setdefault(i, []).append(fmt)
+    return out
+
+
 def format_batches(group: Group, formats: list[Format], limit: int) -> list[list[Format]]:
     """Formats of one group split into sweeps whose quantized copies together stay under `limit` bytes
     (at least one format per sweep), so a sweep never holds more than the largest single cell did."""
     out, current, held = [], [], 0
-    size = sum(t.numel * 4 for t in group.quantizable)
+    size = copy_bytes(group)
     for fmt in formats:
         if current and held + size > limit:
             out.append(current)
@@ -275,7 +290,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     if group_by not in ("layer", "tensor"):
         raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
     resolve_device(device)
-    resolve_dtype(dtype, torch.device("cpu"))
+    resolve_dtype(dtype)
     fmts = parse_formats(formats)
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
@@ -322,7 +337,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     cache = ActivationCache(budget, spill_dir=out.parent)
     scanner = Scanner(source, engine, chunks, batch, cache, rounding)
     # quantized copies held at once: never more than the largest group's single copy (the old one-cell peak)
-    limit = max(sum(t.numel * 4 for t in g.quantizable) for g in groups)
+    limit = max(copy_bytes(g) for g in groups)
     if estimate or log:
         from .estimate import estimate_scan
 
@@ -338,22 +353,20 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         if estimate:
             return {"estimate": guess.as_dict()}
     bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
+    sweeps = 0
     try:
         ref = scanner.reference()
         return_freed_memory()
         result["reference"] = {"perplexity": round(ref.perplexity, 6)}
-        for i, group in enumerate(groups):
-            pending = [f for (j, _, f) in todo if j == i]
-            if not pending:
-                continue
-            entry = result["groups"][i]
-            free = [f for f in pending if not group.quantizable
-                    or all(f.storage(t.name, t.shape) == "F32" for t in group.quantizable)]
+        for i, pending in pending_by_group(todo).items():
+            group, entry = groups[i], result["groups"][i]
+            measured = measured_formats(group, pending)
+            free = [f for f in pending if f not in measured]
             for fmt in free:
                 entry["cells"][fmt.name] = {"damage": 0.0, "stderr": 0.0, "top1": 1.0}
-            measured = [f for f in pending if f not in free]
             calibration_stats = scanner.calibration(group) if measured else {}
             for sweep_formats in format_batches(group, measured, limit):
+                sweeps += 1
                 if bar:
                     bar.set_description(f"{group.name} @ {','.join(f.name for f in sweep_formats)}")
                 with engine.quantizers():
@@ -381,7 +394,6 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         if bar:
             bar.close()
     if log:
-        sweeps = sum(len(format_batches(g, [f for (j, _, f) in todo if j == i], limit)) for i, g in enumerate(groups))
         log(f"read decoder layers {engine.layer_loads()} times ({engine.layers} layers, {sweeps} group sweeps)")
     fraction = _separable_fraction(result["groups"], result["formats"])
     result["separable_fraction"] = fraction

@@ -77,9 +77,9 @@ def test_device_auto_says_which_and_why():
         assert device.type == "cuda" and "cuda" in reason
     else:
         assert device.type == "cpu" and torch.__version__ in reason and "CPU" in reason
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto") == torch.float32
     with pytest.raises(CardfitError, match="--dtype"):
-        resolve_dtype("fp8", torch.device("cpu"))
+        resolve_dtype("fp8")
     with pytest.raises(CardfitError, match="--device"):
         resolve_device("tpu")
 
@@ -160,7 +160,7 @@ def test_bfloat16_layers_keep_coarse_cells_and_float32_stays_the_default(embedde
     floor = min(b["cells"]["Q8_0"]["damage"] for b in bf16["groups"] if b["cells"]["Q8_0"]["damage"] > 0)
     typical = sorted(a["cells"]["Q8_0"]["damage"] for a in f32["groups"])[len(f32["groups"]) // 2]
     assert floor > 3 * typical  # the floor the docs report: bf16 cannot price near-lossless formats
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.float32
+    assert resolve_dtype("auto") == torch.float32
 
 
 def test_a_stage_arena_bounds_what_gptq_holds():

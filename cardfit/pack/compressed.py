@@ -12,7 +12,6 @@ written per layer group, so only one group is resident while packing.
 from __future__ import annotations
 
 import contextlib
-
 import errno
 import json
 import shutil
