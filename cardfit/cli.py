@@ -153,7 +153,7 @@ def scan_command(
     gpu = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
     result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding, seq_len,
                   batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
-                  log=lambda line: typer.echo(line, err=True), estimate=estimate)
+                  log=typer.echo, estimate=estimate)
     if estimate:
         if result["estimate"] is None:
             typer.echo(f"{out} is complete: nothing to measure")

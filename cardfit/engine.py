@@ -123,7 +123,7 @@ class Engine:
         return self.stream.loads
 
     def layer_loads(self) -> int:
-        return sum(n for g, n in self.loads.items() if g.startswith("layers."))
+        return sum(n for g, n in self.loads.items() if GroupId(g).in_layer)
 
     def close(self) -> None:
         self.stream.close()

@@ -144,6 +144,8 @@ def _unit_seconds(scanner, formats) -> dict:
     per_param = {}
     for fmt in formats:
         method = scanner.rounding if scanner.rounding in fmt.methods() else "rtn"
+        # warm-up on a few rows: the first call loads ggml and builds its tables (seconds, once)
+        fmt.roundtrip(largest.name, weight[:32], _synthetic_calibration(method, weight[:32]), method)
         t = time.perf_counter()
         fmt.roundtrip(largest.name, weight, _synthetic_calibration(method, weight), method)
         per_param[fmt.name] = (time.perf_counter() - t) / weight.numel()

@@ -70,8 +70,9 @@ class RecipeMeter:
             head.update(embedding)  # the tied output matrix is the embedding, in its format
 
         def replacements(group: str) -> dict[str, torch.Tensor]:
-            if group.startswith("layers."):
-                return self._quantized(assignment, GroupId(group).layer)
+            layer = GroupId(group).layer
+            if layer is not None:
+                return self._quantized(assignment, layer)
             return head
 
         return Track(hidden, start, replacements, key)

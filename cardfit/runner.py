@@ -125,7 +125,7 @@ class StreamedModel:
         if group in self._kept:
             return
         size = sum(self.model.get_parameter(n).nbytes for n in self.group_tensors(group))
-        if group.startswith("layers.") and sum(self._kept.values()) + size <= self.keep_bytes:
+        if GroupId(group).in_layer and sum(self._kept.values()) + size <= self.keep_bytes:
             self._kept[group] = size
             return
         for name in self.group_tensors(group):
