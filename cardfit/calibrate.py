@@ -17,11 +17,12 @@ from .sources import ModelSource
 
 
 class LayerCalibration:
-    def __init__(self, source: ModelSource, chunks: torch.Tensor, method: str, device: str = "auto", batch: int = 4,
+    def __init__(self, source: ModelSource, chunks: torch.Tensor, methods, device: str = "auto", batch: int = 4,
                  awq_samples: int = 4096, dtype: str = "auto", gpu_memory: int | None = None):
+        """`methods`: one rounding or the set of them whose statistics to collect."""
         from .engine import Engine
 
-        self.method = method
+        self.methods = {methods} if isinstance(methods, str) else set(methods)
         self.awq_samples = awq_samples
         self.engine = Engine(source, device, dtype, gpu_memory)
         self.stream = self.engine.stream
@@ -34,7 +35,7 @@ class LayerCalibration:
         from .quant.model import layer_statistics
 
         names = [t.name for t in self.stream.groups[GroupId.layer_group(index)] if len(t.shape) == 2]
-        stats = layer_statistics(self.engine, index, names, self.method, self.hidden, self.awq_samples, seed=index)
+        stats = layer_statistics(self.engine, index, names, self.methods, self.hidden, self.awq_samples, seed=index)
         return {n: stats.calibration(n) for n in names}
 
     @torch.no_grad()
@@ -49,8 +50,8 @@ class LayerCalibration:
             xs = [self.stream.decoder.norm(h).reshape(-1, h.shape[-1]).to(torch.float32) for h in self.hidden]
         x = torch.cat(xs)
         calibration = Calibration()
-        if self.method == "imatrix":
+        if "imatrix" in self.methods:
             calibration.imatrix = (x * x).mean(dim=0).cpu()
-        if self.method == "gptq":
+        if "gptq" in self.methods:
             calibration.hessian = (x.T @ x / x.shape[0]).cpu()
         return calibration

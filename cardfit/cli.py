@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .compare import DEFAULT_BASELINES, DEFAULT_PRESETS
+from .compare import DEFAULT_BASELINES, DEFAULT_PRESETS, I_QUANT_PRESETS
 from .errors import CardfitError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -389,7 +389,8 @@ def compare_command(
     model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or cached hub id (default: the embedded model)."),
     out: str = typer.Option("compare-out", help="Directory for the files and the table."),
     map_path: Optional[str] = typer.Option(None, "--map", help="A llama.cpp sensitivity map (default: scan one)."),
-    presets: str = typer.Option(",".join(DEFAULT_PRESETS), help="llama.cpp presets to meet at equal bytes."),
+    presets: str = typer.Option(",".join(DEFAULT_PRESETS), help="llama.cpp presets to meet at equal bytes (the low-bit shelf, with --imatrix: "
+                                 + ",".join(I_QUANT_PRESETS) + ")."),
     baselines: str = typer.Option(",".join(DEFAULT_BASELINES),
                                   help="Uniform 4-bit rows: rtn, gptq, awq (W4A16-g128 checkpoints), nf4 "
                                        "(bitsandbytes); 'none' for none."),

@@ -29,6 +29,9 @@ from .units import format_bytes
 
 DEFAULT_PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
 DEFAULT_MAP_FORMATS = "Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K"
+# Scanned beside the k-quants when an i-quant preset is compared, so cardfit may use what the preset uses.
+I_QUANT_MAP_FORMATS = "IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,IQ1_M"
+I_QUANT_PRESETS = ("IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ3_M", "IQ4_XS")  # the low-bit shelf (compare --presets)
 # Uniform 4-bit baselines: W4A16 group 128 (llm-compressor's preset) by rounding method, and NF4.
 BASELINES = {"rtn": "W4A16-g128 RTN", "gptq": "W4A16-g128 GPTQ", "awq": "W4A16-g128 AWQ",
              "nf4": "bitsandbytes NF4"}
@@ -185,7 +188,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     from .pack import pack, reserve_bytes
     from .plan import plan, uniform_recipe
     from .scan import scan
-    from .shelf import FTYPES
+    from .shelf import FTYPES, preset_needs_imatrix
     from .paths import guard_output, input_paths, model_paths
     from .sources import open_model, runnable
     from .text import load_text, text_hash
@@ -193,6 +196,12 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     for preset in presets:
         if preset not in FTYPES:
             raise CardfitError(f"llama.cpp has no preset '{preset}'", "known: " + ", ".join(FTYPES))
+        if preset_needs_imatrix(preset) and not imatrix:
+            raise CardfitError(f"llama.cpp makes {preset} only with an importance matrix",
+                               "add --imatrix (both sides then round with the same one)")
+    map_formats = DEFAULT_MAP_FORMATS
+    if any(preset.startswith("IQ") for preset in presets):
+        map_formats += "," + I_QUANT_MAP_FORMATS
     for name in baselines:
         if name not in BASELINES:
             raise CardfitError(f"unknown baseline '{name}'", "known: " + ", ".join(BASELINES) + " (or none)")
@@ -225,7 +234,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         cache.ensure(imatrix_file, imatrix_key, collect)
     if map_path is None:
         map_path = out / f"sensitivity{tag}.json"
-        map_key = artifact_key("map", **calibrated, formats=DEFAULT_MAP_FORMATS, rounding=rounding, group_by="layer")
+        map_key = artifact_key("map", **calibrated, formats=map_formats, rounding=rounding, group_by="layer")
         if not cache.fresh(map_path, map_key):
             # Another model or setting: start over. The key goes down before the scan, so an interrupted
             # scan of this very job resumes on the next run.
@@ -233,8 +242,8 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             map_path.unlink(missing_ok=True)
             cache.record(map_path, map_key)
         if log:
-            log(f"scanning {DEFAULT_MAP_FORMATS} ({rounding}) over {scan_tokens} tokens -> {map_path}")
-        scan(model, None, scan_tokens, DEFAULT_MAP_FORMATS, "layer", map_path, resume=True, rounding=rounding,
+            log(f"scanning {map_formats} ({rounding}) over {scan_tokens} tokens -> {map_path}")
+        scan(model, None, scan_tokens, map_formats, "layer", map_path, resume=True, rounding=rounding,
              seq_len=seq_len, progress=progress)
     else:
         from .maps import read_map

@@ -79,7 +79,7 @@ def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
         for f in measured:
             quantizations += 1
             quant_seconds += units["quantize_per_param"].get(f.name, 0.0) * params
-        if scanner.rounding != "rtn" and 0 <= group.start < layers:
+        if any(f.method_for(scanner.rounding) != "rtn" for f in measured) and 0 <= group.start < layers:
             layer_forwards += batches
             layer_reads += 1
         for sweep in format_batches(group, measured, limit):
@@ -143,7 +143,7 @@ def _unit_seconds(scanner, formats) -> dict:
     weight = source.read(largest.name)
     per_param = {}
     for fmt in formats:
-        method = scanner.rounding if scanner.rounding in fmt.methods() else "rtn"
+        method = fmt.method_for(scanner.rounding)
         # warm-up on a few rows: the first call loads ggml and builds its tables (seconds, once)
         fmt.roundtrip(largest.name, weight[:32], _synthetic_calibration(method, weight[:32]), method)
         t = time.perf_counter()

@@ -43,6 +43,19 @@ def _say(log, text: str) -> None:
         log(text)
 
 
+def scan_menu(target, source, tensor_budget: int) -> str:
+    """fit's scan formats: the target's default menu, and its low-bit ladder too when the tensors cannot
+    fit `tensor_budget` on the default menu alone (a 32B on a 12 GB card), so the plan can reach it."""
+    from .formats import parse_formats
+    from .sizes import priced_tensors
+
+    default = parse_formats(target.default_scan_formats)
+    floor = sum(min(f.tensor_bytes(t.name, t.shape) for f in default) for t in priced_tensors(source))
+    if floor <= tensor_budget or not target.low_bit_scan_formats:
+        return target.default_scan_formats
+    return f"{target.default_scan_formats},{target.low_bit_scan_formats}"
+
+
 def fit(model: str | Path | None = None, vram: str | int | None = None, context: int = 8192, batch: int = 1,
         kv_dtype: str = "f16", format: str = "gguf", out: str | Path = "cardfit-out", formats: str | None = None,
         calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
@@ -78,9 +91,14 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     b = compute_budget(model, vram, context, batch, kv_dtype, runtime)
     _say(log, render_budget(b))
 
+    reserve = reserve_bytes(source, runtime, scratch_dir=out)
+    if formats is None:
+        formats = scan_menu(target, source, b.weight_budget_bytes - reserve)
+        if formats != target.default_scan_formats:
+            _say(log, f"the budget is below what {target.default_scan_formats} reach: scanning {formats}")
     _say(log, f"\n== 2. scan ({max_tokens} calibration tokens; resumes {out / 'sensitivity.json'})")
     map_path = out / "sensitivity.json"
-    sensitivity = scan(model, calibration, max_tokens, formats or target.default_scan_formats, "layer", map_path,
+    sensitivity = scan(model, calibration, max_tokens, formats, "layer", map_path,
                        resume=True, device=device, seq_len=seq_len, progress=progress,
                        log=(lambda line: _say(log, line)) if log else None)
     for warning in sensitivity["warnings"]:
@@ -88,7 +106,6 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     plot_sensitivity(sensitivity, out / "sensitivity.png")
 
     _say(log, "\n== 3. plan")
-    reserve = reserve_bytes(source, runtime, scratch_dir=out)
     info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
             "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
     recipe = plan(map_path, b.weight_budget_bytes, budget_info=info, reserve_bytes=reserve)

@@ -43,7 +43,7 @@ class RecipeMeter:
         self.reference = self.scanner.reference()
         self.groups = {g.name: g for g in scan_groups(source, group_by)}
         self.layers = self.scanner.layers
-        self._stats: dict[str, dict] = {}
+        self._stats: dict[tuple[str, str], dict] = {}
 
     def _quantized(self, assignment: dict[str, str], start: int) -> dict[str, torch.Tensor]:
         """The quantized tensors of every group that enters the forward at `start`."""
@@ -51,9 +51,11 @@ class RecipeMeter:
         for name, group in self.groups.items():
             if group.start != start or name not in assignment:
                 continue
-            if name not in self._stats:
-                self._stats[name] = self.scanner.calibration(group)
-            out.update(self.scanner.quantized(group, get_format(assignment[name]), self._stats[name]))
+            fmt = get_format(assignment[name])
+            key = (name, fmt.method_for(self.scanner.rounding))  # statistics depend on the rounding only
+            if key not in self._stats:
+                self._stats[key] = self.scanner.calibration(group, [fmt])
+            out.update(self.scanner.quantized(group, fmt, self._stats[key]))
         return out
 
     def _track(self, assignment: dict[str, str], start: int, inputs: dict[int, list[torch.Tensor]] | None, key):

@@ -141,23 +141,41 @@ class Scanner:
                         meter.nll_tokens += targets.numel()
         return meter
 
-    def calibration(self, group: Group) -> dict[str, Calibration]:
-        """Statistics the rounding needs for each tensor of the group, from reference inputs."""
-        if self.rounding == "rtn" or group.start < 0 or group.start >= self.layers:
+    def calibration(self, group: Group, formats: list[Format]) -> dict[str, Calibration]:
+        """Statistics each tensor of the group needs to be rounded in `formats` (the scan's rounding, or
+        the imatrix a type cannot round without), from reference inputs, as pack collects them: an untied
+        output matrix reads the final norm of the last hidden state; the embedding (tied or not) is
+        rounded without statistics (ggml weighs its columns equally where a type needs weights)."""
+        methods = {f.method_for(self.rounding) for f in formats} - {"rtn"}
+        if not methods:
             return {}
-        from .quant.model import layer_statistics
-
         names = [t.name for t in group.quantizable]
-        inputs = (self.cache.get(group.start, b) for b in range(len(self.batches)))
-        stats = layer_statistics(self.engine, group.start, names, self.rounding, inputs)
-        return {n: stats.calibration(n) for n in names}
+        if 0 <= group.start < self.layers:
+            from .quant.model import layer_statistics
+
+            inputs = (self.cache.get(group.start, b) for b in range(len(self.batches)))
+            stats = layer_statistics(self.engine, group.start, names, methods, inputs)
+            return {n: stats.calibration(n) for n in names}
+        if names and group.start >= self.layers:
+            return dict.fromkeys(names, self.head_statistics())
+        return {}
+
+    @torch.no_grad()
+    def head_statistics(self) -> Calibration:
+        """The output matrix's imatrix: mean x² of the final-normed hidden states (what its matmul reads)."""
+        norm = self.stream.decoder.norm
+        total, count = 0, 0
+        with self.stream.resident(NORM):
+            for b in range(len(self.batches)):
+                h = self.cache.get(self.layers, b).to(self.engine.device)
+                x = norm(h).reshape(-1, h.shape[-1]).to(torch.float32)
+                total, count = total + (x * x).sum(0), count + x.shape[0]
+        return Calibration(imatrix=(total / count).cpu())
 
     def quantized(self, group: Group, fmt: Format, calibration: dict[str, Calibration]) -> dict[str, torch.Tensor]:
-        out = {}
-        for t in group.quantizable:
-            method = self.rounding if self.rounding in fmt.methods() else "rtn"
-            out[t.name] = fmt.roundtrip(t.name, self.source.read(t.name), calibration.get(t.name), method)
-        return out
+        method = fmt.method_for(self.rounding)
+        return {t.name: fmt.roundtrip(t.name, self.source.read(t.name), calibration.get(t.name), method)
+                for t in group.quantizable}
 
     @torch.no_grad()
     def sweep(self, group: Group, variants: dict[str, dict[str, torch.Tensor]]) -> dict[str, DistanceMeter]:
@@ -364,7 +382,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
             free = [f for f in pending if f not in measured]
             for fmt in free:
                 entry["cells"][fmt.name] = {"damage": 0.0, "stderr": 0.0, "top1": 1.0}
-            calibration_stats = scanner.calibration(group) if measured else {}
+            calibration_stats = scanner.calibration(group, measured) if measured else {}
             for sweep_formats in format_batches(group, measured, limit):
                 sweeps += 1
                 if bar:

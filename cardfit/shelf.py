@@ -10,20 +10,25 @@ import gguf
 import numpy as np
 
 from .errors import CardfitError
-from .formats.gguf_formats import GGUF_TYPES, llama_file_type
+from .formats.gguf_formats import GGUF_TYPES, IMATRIX_TYPES, file_type_base, llama_file_type
 
 
 def _presets() -> dict[str, int]:
     """llama.cpp's presets built on cardfit's menu, name -> llama_ftype (gguf-py's LlamaFileType): each
-    menu type with a pure file type (Q6_K, Q8_0, ...) and the _S/_M/_L mixes of the menu's k-quants
-    (Q4_K_M, ...), less the one that quantizes only with an imatrix (Q2_K_S)."""
+    menu type with a file type of its own (Q6_K, IQ2_XXS, ...) and the mixes built on a menu type (Q4_K_M,
+    IQ2_M, IQ3_M, ...), less Q2_K_S (a mix llama.cpp makes only with an imatrix, of no type on the menu)
+    and MXFP4_MOE (MXFP4 for MoE experts only: on a dense model, not a preset anyone downloads)."""
     presets = {}
     for file_type in gguf.LlamaFileType:
         name = file_type.name.removeprefix("MOSTLY_")
-        base, _, mix = name.rpartition("_")
-        if name in GGUF_TYPES or (base in GGUF_TYPES and mix in ("S", "M", "L") and name != "Q2_K_S"):
+        if name not in ("Q2_K_S", "MXFP4_MOE") and file_type.name.startswith("MOSTLY_") and file_type_base(name) in GGUF_TYPES:
             presets[name] = int(file_type)
     return presets
+
+
+def preset_needs_imatrix(preset: str) -> bool:
+    """llama.cpp's quantize refuses this preset without an importance matrix (its base type needs one)."""
+    return file_type_base(preset) in IMATRIX_TYPES
 
 
 # Presets are llama.cpp's mixes; a pure quantize (`pure=True`) stores every matrix in the base type.
@@ -41,6 +46,9 @@ def llama_quantize(source: str | Path, out: str | Path, ftype: str, *, pure: boo
         file_type = FTYPES[ftype]
     else:
         raise CardfitError(f"llama.cpp has no preset '{ftype}'", "known: " + ", ".join(FTYPES))
+    if not imatrix and preset_needs_imatrix(ftype):
+        raise CardfitError(f"llama.cpp quantizes {ftype} only with an importance matrix",
+                           "pass an imatrix (compare --imatrix; cardfit imatrix makes one)")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = file_type
     params.nthread = threads

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .formats import Format, get_format, runtime_formats
 from .sources import LM_HEAD, ModelSource
 
-UNIFORM_FORMATS = ("F16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "W8A16", "W4A16-g128")
+UNIFORM_FORMATS = ("F16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ2_XXS", "IQ1_S", "W8A16", "W4A16-g128")
 
 
 def priced_tensors(source: ModelSource):

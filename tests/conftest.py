@@ -50,6 +50,8 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
                                              "short_factor": factors[::-1], "original_max_position_embeddings": 512})
     elif kind == "llama-mha":  # one key/value head per query head: v's rows feed o one to one
         config = LlamaConfig(**{**common, "num_key_value_heads": 4}, tie_word_embeddings=False)
+    elif kind == "qwen2-256":  # rows of 256 and 512: every i-quant stores itself, none falls back
+        config = Qwen2Config(**{**common, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=True)
     elif kind == "llama-wide":  # rows that group 128 divides, as in every real model
         config = LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=True)
     else:

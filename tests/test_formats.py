@@ -7,8 +7,18 @@ import torch
 from cardfit.formats import FORMATS, GGML_BLOCKS, GGUF_TYPES, Calibration, get_format, ggml_lib
 from cardfit.formats.gguf_formats import GgmlFormat
 
-PURE_TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS"]  # + Q5_0, Q5_1, Q8_0, Q4_0, IQ4_NL as fallbacks
+PURE_TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "MXFP4", "IQ3_S", "IQ3_XXS",
+              "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]  # + Q5_0, Q5_1, Q8_0, Q4_0, IQ4_NL as fallbacks
 IMATRIX_TENSORS = ("blk.0.ffn_down.weight", "blk.2.attn_q.weight", "token_embd.weight")
+
+
+def _imatrix_for(type_name, tensors, names, seed):
+    """Random importance for `names`, or for every matrix when the type quantizes only with one (llama.cpp
+    refuses any tensor of such a type without an entry)."""
+    rng = np.random.default_rng(seed)
+    if GgmlFormat(type_name).needs_imatrix:
+        names = [n for n, t in tensors.items() if len(t.shape) == 2 and not n.endswith("norm.weight")]
+    return {n: (rng.random(int(tensors[n].shape[0])) + 0.05).astype(np.float32) for n in names}
 
 
 def test_block_table_matches_ggml_type_traits():
@@ -32,15 +42,36 @@ def test_tensor_bytes_match_the_real_packaged_gguf():
         assert fmt.tensor_bytes(t.name, shape) == t.n_bytes, t.name
 
 
+SLICE_LAYERS = 3
+
+
 @pytest.fixture(scope="module")
-def packaged():
+def packaged(tmp_path_factory):
+    """The packaged model's first SLICE_LAYERS layers, embedding and head as shipped (Q4_1, F32 norms), in
+    a GGUF llama.cpp loads: real tensors, at a tenth of the whole model's quantize time per type."""
     import gguf
 
     from cardfit.default_model import default_gguf
 
-    path = default_gguf()
-    reader = gguf.GGUFReader(str(path))
-    return path, {t.name: t for t in reader.tensors}
+    reader = gguf.GGUFReader(str(default_gguf()))
+    arch = reader.fields["general.architecture"].contents()
+    path = tmp_path_factory.mktemp("slice") / "smollm2-slice.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = SLICE_LAYERS if field.name == f"{arch}.block_count" else field.contents()
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= SLICE_LAYERS:
+            continue
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
 
 
 def _source_values(tensor):
@@ -52,7 +83,7 @@ def _source_values(tensor):
 
 @pytest.mark.parametrize("type_name", PURE_TYPES)
 def test_bit_identical_to_llama_cpp_quantize_on_real_tensors(type_name, packaged, tmp_path):
-    """llama.cpp requantizes the packaged Q4_1 model (dequantize to f32, quantize again, with an
+    """llama.cpp requantizes a slice of the packaged Q4_1 model (dequantize to f32, quantize again, with an
     imatrix for three tensors); every tensor cardfit produces from the same f32 values and
     imatrix must carry the same type (fallbacks included) and the same bytes."""
     import gguf
@@ -60,13 +91,12 @@ def test_bit_identical_to_llama_cpp_quantize_on_real_tensors(type_name, packaged
     from cardfit.shelf import llama_quantize
 
     path, source = packaged
-    rng = np.random.default_rng(0)
-    imatrix = {name: (rng.random(int(source[name].shape[0])) + 0.05).astype(np.float32) for name in IMATRIX_TENSORS}
+    imatrix = _imatrix_for(type_name, source, IMATRIX_TENSORS, seed=0)
     out = llama_quantize(path, tmp_path / f"{type_name}.gguf", type_name, pure=True, imatrix=imatrix)
     produced = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
     fmt = get_format(type_name)
-    names = list(IMATRIX_TENSORS) + ["blk.0.attn_norm.weight", "blk.5.ffn_up.weight", "blk.7.attn_k.weight",
-                                     "blk.29.ffn_down.weight"]
+    names = list(IMATRIX_TENSORS) + ["blk.0.attn_norm.weight", "blk.1.ffn_up.weight", "blk.2.attn_k.weight",
+                                     "blk.2.ffn_down.weight", "output_norm.weight"]
     for name in names:
         values = _source_values(source[name])
         calibration = Calibration(imatrix=torch.from_numpy(imatrix[name])) if name in imatrix else None
@@ -149,7 +179,8 @@ def test_fallback_rule_is_the_bundled_llama_cpp_s(type_name, odd_rows_gguf, tmp_
     from cardfit.shelf import llama_quantize
 
     source = {t.name: t for t in gguf.GGUFReader(str(odd_rows_gguf)).tensors}
-    out = llama_quantize(odd_rows_gguf, tmp_path / "q.gguf", type_name, pure=True, threads=1)
+    imatrix = _imatrix_for(type_name, source, [], seed=3)
+    out = llama_quantize(odd_rows_gguf, tmp_path / "q.gguf", type_name, pure=True, threads=1, imatrix=imatrix)
     fmt = get_format(type_name)
     stored = set()
     for theirs in gguf.GGUFReader(str(out)).tensors:
@@ -157,7 +188,8 @@ def test_fallback_rule_is_the_bundled_llama_cpp_s(type_name, odd_rows_gguf, tmp_
         assert fmt.storage(theirs.name, shape) == theirs.tensor_type.name, theirs.name
         assert fmt.tensor_bytes(theirs.name, shape) == theirs.n_bytes, theirs.name
         values = torch.from_numpy(np.asarray(source[theirs.name].data).astype(np.float32)).reshape(shape)
-        _, raw = fmt.quantize(theirs.name, values)
+        calibration = Calibration(imatrix=torch.from_numpy(imatrix[theirs.name])) if theirs.name in imatrix else None
+        _, raw = fmt.quantize(theirs.name, values, calibration, fmt.method_for("rtn"))
         assert np.array_equal(raw, np.asarray(theirs.data).reshape(-1).view(np.uint8)), theirs.name
         stored.add(theirs.tensor_type.name)
     if GGML_BLOCKS[type_name][0] > 1:
@@ -215,7 +247,8 @@ def random_gguf(packaged, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q2_K", "IQ4_XS", "MXFP4", "IQ3_S", "IQ3_XXS", "IQ2_S",
+                                       "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"])
 def test_bit_identical_to_llama_cpp_quantize_on_random_tensors(type_name, random_gguf, tmp_path):
     import gguf
 
@@ -223,14 +256,58 @@ def test_bit_identical_to_llama_cpp_quantize_on_random_tensors(type_name, random
 
     source = {t.name: t for t in gguf.GGUFReader(str(random_gguf)).tensors}
     name_im = "blk.1.ffn_down.weight"
-    imatrix = {name_im: (np.random.default_rng(1).random(1536) + 0.05).astype(np.float32)}
+    imatrix = _imatrix_for(type_name, source, [name_im], seed=1)
     out = llama_quantize(random_gguf, tmp_path / "q.gguf", type_name, pure=True, imatrix=imatrix)
     produced = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
     fmt = get_format(type_name)
-    for name in (name_im, "blk.0.attn_v.weight", "blk.4.ffn_gate.weight", "token_embd.weight"):
+    for name in (name_im, "blk.0.attn_v.weight", "blk.2.ffn_gate.weight", "token_embd.weight"):
         values = torch.from_numpy(np.asarray(source[name].data, dtype=np.float16).astype(np.float32))
         calibration = Calibration(imatrix=torch.from_numpy(imatrix[name])) if name in imatrix else None
         storage, raw = fmt.quantize(name, values, calibration, "imatrix" if calibration else "rtn")
         theirs = produced[name]
         assert storage == theirs.tensor_type.name
         assert np.array_equal(raw, np.asarray(theirs.data).reshape(-1).view(np.uint8)), name
+
+
+def test_the_imatrix_types_are_the_ones_llama_cpp_refuses_without_one(odd_rows_gguf, tmp_path):
+    """IMATRIX_TYPES against the bundled llama.cpp: ggml's own list is inside it, llama.cpp's quantize
+    refuses each without an imatrix and takes every other menu type; cardfit refuses in one line where
+    ggml would abort the process."""
+    from cardfit.errors import CardfitError
+    from cardfit.formats.gguf_formats import IMATRIX_TYPES
+    from cardfit.shelf import llama_quantize
+
+    assert {t for t in GGUF_TYPES if ggml_lib.requires_imatrix(t)} <= set(IMATRIX_TYPES)
+    for type_name in ("IQ4_XS", "MXFP4", "IQ3_S", "Q2_K"):
+        llama_quantize(odd_rows_gguf, tmp_path / f"{type_name}.gguf", type_name, pure=True, threads=1)
+    for type_name in IMATRIX_TYPES:
+        with pytest.raises(CardfitError):
+            llama_quantize(odd_rows_gguf, tmp_path / f"{type_name}.gguf", type_name, pure=True, threads=1)
+        with pytest.raises(CardfitError, match="importance matrix"):
+            get_format(type_name).roundtrip("blk.0.ffn_up.weight", torch.randn(4, 256))
+    with pytest.raises(CardfitError, match="importance matrix"):
+        ggml_lib.quantize("IQ2_XXS", np.ones((1, 256), dtype=np.float32))
+
+
+def test_the_embedding_of_an_imatrix_type_weighs_its_columns_equally():
+    """A lookup table has no activations to weigh: without statistics its columns count alike (ones), so an
+    i-quant embedding packs; with statistics (a tied output matrix) they are used."""
+    w = torch.randn(8, 256)
+    fmt = get_format("IQ2_XXS")
+    ones = fmt.quantize("token_embd.weight", w, None, "imatrix")[1]
+    explicit = fmt.quantize("token_embd.weight", w, Calibration(imatrix=torch.ones(256)), "imatrix")[1]
+    weighted = fmt.quantize("token_embd.weight", w, Calibration(imatrix=torch.rand(256) ** 4 + 0.01), "imatrix")[1]
+    assert np.array_equal(ones, explicit) and not np.array_equal(ones, weighted)
+
+
+def test_gptq_statistics_round_a_ggml_type_with_the_hessian_diagonal():
+    """GPTQ asked of a ggml type rounds with its imatrix, which is the Hessian's diagonal (mean x²)."""
+    x = torch.randn(512, 256) * (torch.rand(256) * 3)
+    hessian = x.T @ x / x.shape[0]
+    w = torch.randn(8, 256)
+    fmt = get_format("Q3_K")
+    assert fmt.method_for("gptq") == "imatrix" and fmt.method_for("awq") == "awq"
+    assert get_format("IQ2_XS").method_for("rtn") == "imatrix"
+    from_hessian = fmt.quantize("blk.0.ffn_up.weight", w, Calibration(hessian=hessian), "imatrix")[1]
+    from_imatrix = fmt.quantize("blk.0.ffn_up.weight", w, Calibration(imatrix=(x * x).mean(0)), "imatrix")[1]
+    assert np.array_equal(from_hessian, from_imatrix)

@@ -48,7 +48,19 @@ class Format:
         raise NotImplementedError
 
     def methods(self) -> tuple[str, ...]:
+        """The roundings this format takes, its default first."""
         return ("rtn",)
+
+    def method_for(self, requested: str) -> str:
+        """The rounding this format uses when `requested` is asked for: itself if the format takes it;
+        for GPTQ on a format that takes an imatrix, the imatrix (GPTQ's Hessian diagonal is that mean x²);
+        otherwise the format's default (RTN, or the imatrix for a type that cannot round without one)."""
+        methods = self.methods()
+        if requested in methods:
+            return requested
+        if requested == "gptq" and "imatrix" in methods:
+            return "imatrix"
+        return methods[0]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

@@ -60,6 +60,8 @@ def ggml() -> ctypes.CDLL:
     lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
     lib.ggml_row_size.restype = ctypes.c_size_t
     lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
     lib.ggml_type_name.restype = ctypes.c_char_p
     lib.ggml_type_name.argtypes = [ctypes.c_int]
     # gguf-py's enum values and block sizes must be this libggml's, or cardfit would price and
@@ -86,8 +88,16 @@ def row_size(type_name: str, n_per_row: int) -> int:
     return int(ggml().ggml_row_size(ggml_type(type_name), n_per_row))
 
 
+def requires_imatrix(type_name: str) -> bool:
+    """ggml's own word: its quantizer asserts (aborts the process) without quantization weights."""
+    return bool(ggml().ggml_quantize_requires_imatrix(ggml_type(type_name)))
+
+
 def quantize(type_name: str, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
     """llama.cpp's quantization of a (nrows, n_per_row) f32 matrix -> the raw block bytes."""
+    if imatrix is None and requires_imatrix(type_name):
+        raise CardfitError(f"ggml quantizes {type_name} only with an importance matrix",
+                           "round with --method imatrix or pass --imatrix FILE")
     src = np.ascontiguousarray(rows, dtype=np.float32)
     nrows, n_per_row = src.shape
     out = np.empty(nrows * row_size(type_name, n_per_row), dtype=np.uint8)

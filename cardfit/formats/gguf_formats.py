@@ -15,7 +15,11 @@ from .base import Calibration, Format, numel
 
 # cardfit's menu: the ggml types it offers for llama.cpp, best first. The one list of their names.
 GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL",
-              "Q3_K", "Q2_K")
+              "MXFP4", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+# The types llama.cpp's quantize refuses without an importance matrix (src/llama-quant.cpp, "Missing importance
+# matrix for tensor ... in a very low-bit quantization"); ggml's own quantizer aborts on IQ2_XXS, IQ2_XS and
+# IQ1_S (ggml_quantize_requires_imatrix). tests/test_formats.py checks both against the bundled llama.cpp.
+IMATRIX_TYPES = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 STORAGE_TYPES = ("F32",) + GGUF_TYPES  # what a tensor cardfit writes can be stored as (1-D tensors stay F32)
 
 
@@ -28,11 +32,28 @@ def ggml_type(type_name: str) -> gguf.GGMLQuantizationType:
 GGML_BLOCKS = {name: gguf.GGML_QUANT_SIZES[ggml_type(name)] for name in STORAGE_TYPES}
 
 
+# llama.cpp's file types whose base ggml type is not the one their name says (llama_model_quantize_impl's
+# default_type, src/llama-quant.cpp); a k-quant mix (Q4_K_M) is built on its k-quant (Q4_K).
+FILE_TYPE_BASES = {"IQ2_S": "IQ2_XS", "IQ2_M": "IQ2_S", "IQ3_XS": "IQ3_S", "IQ3_M": "IQ3_S", "MXFP4_MOE": "MXFP4"}
+
+
+def file_type_base(file_type: str) -> str:
+    """The ggml type a llama.cpp file type (by its name less MOSTLY_: Q4_K_M, IQ2_M) stores most matrices in."""
+    if file_type in FILE_TYPE_BASES:
+        return FILE_TYPE_BASES[file_type]
+    base, _, mix = file_type.rpartition("_")
+    return base if mix in ("S", "M", "L") and base.endswith("_K") else file_type
+
+
 def llama_file_type(type_name: str) -> int:
-    """llama.cpp's file type (llama_ftype, gguf-py's LlamaFileType) whose base type is `type_name`: the
-    pure one, or for a k-quant with no pure file type its _S mix (Q4_K -> MOSTLY_Q4_K_S)."""
-    types, name = gguf.LlamaFileType.__members__, f"MOSTLY_{type_name}"
-    return int(types[name] if name in types else types[f"{name}_S"])
+    """llama.cpp's file type (llama_ftype, gguf-py's LlamaFileType) built on `type_name`: the one of its own
+    name if that is built on it, else the first that is (Q4_K -> MOSTLY_Q4_K_S, IQ2_S -> MOSTLY_IQ2_M)."""
+    names = [m.removeprefix("MOSTLY_") for m in gguf.LlamaFileType.__members__ if m.startswith("MOSTLY_")]
+    built_on = [n for n in names if file_type_base(n) == type_name]
+    if not built_on:
+        raise KeyError(type_name)
+    chosen = type_name if type_name in built_on else built_on[0]
+    return int(gguf.LlamaFileType[f"MOSTLY_{chosen}"])
 
 
 def storage_type(type_name: str, n_per_row: int) -> str:
@@ -43,7 +64,8 @@ def storage_type(type_name: str, n_per_row: int) -> str:
     if n_per_row % GGML_BLOCKS[type_name][0] == 0:
         return type_name
     fallback = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
-                "IQ4_XS": "IQ4_NL"}.get(type_name, type_name)
+                **dict.fromkeys(("IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"),
+                                "IQ4_NL")}.get(type_name, type_name)
     return fallback if n_per_row % GGML_BLOCKS[fallback][0] == 0 else "F16"
 
 
@@ -70,8 +92,13 @@ class GgmlFormat(Format):
     def tensor_bytes(self, name: str, shape: tuple[int, ...]) -> int:
         return ggml_tensor_bytes(self.storage(name, shape), shape)
 
+    @property
+    def needs_imatrix(self) -> bool:
+        """Quantized only with an importance matrix (the very-low-bit i-quants): its rounding is always imatrix."""
+        return self.name in IMATRIX_TYPES
+
     def methods(self) -> tuple[str, ...]:
-        return ("rtn", "imatrix", "awq")
+        return ("imatrix",) if self.needs_imatrix else ("rtn", "imatrix", "awq")
 
     def quantize(self, name: str, weight: torch.Tensor, calibration: Calibration | None = None,
                  method: str = "rtn") -> tuple[str, np.ndarray]:
@@ -82,9 +109,7 @@ class GgmlFormat(Format):
         rows = weight.detach().to("cpu", torch.float32).reshape(-1, weight.shape[-1]).numpy()
         if storage == "F32":
             return storage, np.ascontiguousarray(rows, dtype=np.float32).view(np.uint8).reshape(-1)
-        imatrix = None
-        if method == "imatrix" and calibration is not None and calibration.imatrix is not None:
-            imatrix = calibration.imatrix.detach().to("cpu", torch.float32).numpy()
+        imatrix = importance(name, storage, calibration if method == "imatrix" else None, rows.shape[1])
         return storage, ggml_lib.quantize(storage, rows, imatrix)
 
     def roundtrip(self, name: str, weight: torch.Tensor, calibration: Calibration | None = None,
@@ -110,3 +135,28 @@ class GgmlFormat(Format):
         rows = numel(tuple(weight.shape)) // weight.shape[-1]
         values = ggml_lib.dequantize(storage, raw, (rows, weight.shape[-1]))
         return torch.from_numpy(values).reshape(weight.shape).to(weight.device)
+
+
+def importance(name: str, storage: str, calibration: Calibration | None, columns: int) -> np.ndarray | None:
+    """The importance matrix ggml rounds `name` with: the calibration's (or, from GPTQ's statistics, the
+    Hessian's diagonal, which is the same mean x²); for a type that cannot quantize without one, the
+    token embedding (a lookup table: no activation flows into its columns) weighs its columns equally,
+    and any other tensor is refused in one line rather than left to ggml's abort."""
+    values = None
+    if calibration is not None:
+        if calibration.imatrix is not None:
+            values = calibration.imatrix
+        elif calibration.hessian is not None:
+            values = torch.diagonal(calibration.hessian)
+    if values is not None:
+        return values.detach().to("cpu", torch.float32).numpy()
+    if storage not in IMATRIX_TYPES:
+        return None
+    from ..groups import EMBED, group_of
+
+    if group_of(name) == EMBED:
+        return np.ones(columns, dtype=np.float32)
+    from ..errors import CardfitError
+
+    raise CardfitError(f"{name}: {storage} quantizes only with an importance matrix, and none was given",
+                       "pack with --method imatrix or --imatrix FILE (scan and fit collect one themselves)")

@@ -76,7 +76,9 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
 
         calib = ImatrixFile(imatrix, source)
     else:
-        calib = _calibration(source, method, calibration, max_tokens, seq_len, device, gpu_memory)
+        # statistics for the asked rounding, and the imatrix of any type that cannot round without one
+        methods = {f.method_for(method) for f in formats.values()} - {"rtn"}
+        calib = _calibration(source, methods, calibration, max_tokens, seq_len, device, gpu_memory)
     bar = _bar(progress, len(formats))
     tick = (lambda name: (bar.set_description(name), bar.update(1))) if bar else None
     try:
@@ -132,8 +134,8 @@ def render_pack(report: dict) -> str:
     return "\n".join(lines + [f"warning: {w}" for w in report["warnings"]])
 
 
-def _calibration(source, method, calibration, max_tokens, seq_len, device, gpu_memory=None):
-    if method == "rtn":
+def _calibration(source, methods: set[str], calibration, max_tokens, seq_len, device, gpu_memory=None):
+    if not methods:
         return None
     from transformers import AutoTokenizer
 
@@ -143,7 +145,7 @@ def _calibration(source, method, calibration, max_tokens, seq_len, device, gpu_m
     text, path = load_text(calibration)
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(path))
-    return LayerCalibration(source, chunks, method, device=device, gpu_memory=gpu_memory)
+    return LayerCalibration(source, chunks, methods, device=device, gpu_memory=gpu_memory)
 
 
 def _bar(enabled: bool, total: int):

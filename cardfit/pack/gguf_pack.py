@@ -133,12 +133,10 @@ def write_gguf(path, source: ModelSource, formats: dict, budget: int | None, met
                 stats = calibration.statistics(layer) if layer is not None else {}
                 current_layer = layer
             if group_of(hf_name) == LM_HEAD:
-                stats = {hf_name: calibration.head_statistics()}
+                stats = {hf_name: calibration.head_statistics()}  # the final norm's output, what it multiplies
         weight = plan.spec.transform(hf_name, source.read(hf_name))
         fmt = formats[hf_name]
-        rounding = method if method in fmt.methods() and hf_name in stats else "rtn"
-        if hf_name.endswith("embed_tokens.weight"):
-            rounding = "rtn"  # a lookup table, not a matmul: llama.cpp has no imatrix for it
+        rounding = fmt.method_for(method)
         actual, raw = fmt.quantize(hf_name, weight, stats.get(hf_name), rounding)
         if actual != storage or raw.nbytes != nbytes:
             raise RuntimeError(f"{hf_name}: planned {storage}/{nbytes} B, quantized {actual}/{raw.nbytes} B")

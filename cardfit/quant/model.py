@@ -19,8 +19,8 @@ from .awq import awq_search
 
 
 class _LinearStats:
-    def __init__(self, stream, names: list[str], method: str, awq_samples: int, seed: int = 0):
-        self.method = method
+    def __init__(self, stream, names: list[str], methods, awq_samples: int, seed: int = 0):
+        self.methods = {methods} if isinstance(methods, str) else set(methods)
         self.hessian: dict[str, torch.Tensor] = {}
         self.sq: dict[str, torch.Tensor] = {}
         self.count: dict[str, int] = {}
@@ -44,11 +44,11 @@ class _LinearStats:
                 self.shared.setdefault(id(x), []).append(name)
             x = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
             self.count[name] = self.count.get(name, 0) + x.shape[0]
-            if self.method == "gptq":  # only what the method reads: X^T X is the costly one
+            if "gptq" in self.methods:  # only what the method reads: X^T X is the costly one
                 self.hessian[name] = self.hessian.get(name, 0) + x.T @ x
-            if self.method == "imatrix":
+            if "imatrix" in self.methods:
                 self.sq[name] = self.sq.get(name, 0) + (x * x).sum(dim=0)
-            if self.method == "awq":
+            if "awq" in self.methods:
                 take = torch.randperm(x.shape[0], generator=self._gen)[: max(1, self.awq_samples // 8)]
                 self.samples.setdefault(name, []).append(x[take.to(x.device)].cpu())
 
@@ -74,12 +74,13 @@ class _LinearStats:
 
 
 @torch.no_grad()
-def layer_statistics(engine, index: int, names: list[str], method: str, hidden, awq_samples: int = 4096,
+def layer_statistics(engine, index: int, names: list[str], methods, hidden, awq_samples: int = 4096,
                      seed: int = 0) -> _LinearStats:
-    """Run decoder layer `index` over every batch of `hidden`, recording what `method` needs of `names`."""
+    """Run decoder layer `index` over every batch of `hidden`, recording what `methods` (one rounding or a
+    set of them) need of `names`."""
     stream = engine.stream
     with stream.resident(GroupId.layer_group(index)):
-        stats = _LinearStats(stream, names, method, awq_samples, seed=seed)
+        stats = _LinearStats(stream, names, methods, awq_samples, seed=seed)
         try:
             for j, h in enumerate(hidden):
                 stream.run_layer(index, h)
@@ -105,7 +106,8 @@ def quantize_model(engine, chunks: torch.Tensor, format_for: Callable[[str], For
     for index in range(engine.layers):
         group = GroupId.layer_group(index)
         names = [t.name for t in stream.groups[group] if len(t.shape) == 2 and format_for(t.name) is not None]
-        stats = layer_statistics(engine, index, names, method, hidden, awq_samples, seed=index)
+        stats = layer_statistics(engine, index, names, {format_for(n).method_for(method) for n in names},
+                                 hidden, awq_samples, seed=index)
         with engine.quantizers():
             for shared in stats.input_groups():
                 _quantize_shared(stream, shared, stats, format_for, method, overrides)
@@ -120,15 +122,9 @@ def quantize_model(engine, chunks: torch.Tensor, format_for: Callable[[str], For
     return overrides
 
 
-def _method_for(fmt: Format, method: str) -> str:
-    if method in fmt.methods():
-        return method
-    return {"imatrix": "rtn", "gptq": "imatrix" if "imatrix" in fmt.methods() else "rtn"}.get(method, "rtn")
-
-
 def _quantize_shared(stream, names, stats, format_for, method, overrides) -> None:
     weights = {n: stream.source.read(n) for n in names}
-    chosen = {n: _method_for(format_for(n), method) for n in names}
+    chosen = {n: format_for(n).method_for(method) for n in names}
     if all(chosen[n] == "awq" for n in names) and len({format_for(n).name for n in names}) == 1:
         fmt = format_for(names[0])
         x = stats.calibration(names[0]).inputs

@@ -43,6 +43,7 @@ class Target:
     state_element_bytes: int = 2  # bytes per element of an SSM's recurrent state
     fused: tuple[tuple[str, ...], ...] = ()  # projections it runs as one kernel: they share one format
     default_scan_formats: str = ""  # fit's scan menu
+    low_bit_scan_formats: str = ""  # added to fit's scan when the budget is below what the default menu reaches
     artifact_name: str = ""  # fit's file name for the artifact
     overhead_terms: Callable | None = None  # (geometry, vram, context, settings) -> {term: bytes}
     load: Callable | None = None  # (path, n_ctx, device) -> a runtime with logits(ids) and close()

@@ -1,0 +1,119 @@
+"""The low-bit ladder: i-quants scanned, planned, packed and run, with the imatrix they cannot round without."""
+
+import copy
+import json
+
+import gguf
+import pytest
+
+from cardfit.formats import get_format
+from cardfit.pack import pack
+from cardfit.plan import plan, uniform_recipe
+from cardfit.scan import scan
+from cardfit.sources import open_model
+
+LADDER = "Q4_K,IQ3_XXS,IQ2_XXS,IQ1_S"
+
+
+@pytest.fixture(scope="module")
+def ladder_map(tiny_model, tmp_path_factory, ):
+    from cardfit.text import load_text
+
+    model = tiny_model("qwen2-256")
+    out = tmp_path_factory.mktemp("ladder")
+    (out / "calib.txt").write_text(load_text(None)[0][:20000], encoding="utf-8")
+    scan(model, out / "calib.txt", max_tokens=512, formats=LADDER, seq_len=64, out=out / "map.json", progress=False)
+    return model, out
+
+
+def test_rtn_scan_measures_the_imatrix_types_with_an_imatrix_and_fewer_bits_hurt_more(ladder_map):
+    """RTN is asked, but IQ2_XXS/IQ1_S cannot round without an imatrix: the scan collects one for them
+    (no ggml abort) and every layer's damage grows down the ladder."""
+    _, out = ladder_map
+    sensitivity = json.loads((out / "map.json").read_text())
+    assert sensitivity["rounding"] == "rtn" and sensitivity["complete"]
+    for group in sensitivity["groups"]:
+        if group["name"].startswith("layers."):
+            damage = [group["cells"][f]["damage"] for f in LADDER.split(",")]
+            assert damage == sorted(damage) and damage[0] > 0, (group["name"], damage)
+
+
+def test_a_planned_i_quant_mix_packs_exactly_and_runs_in_llama_cpp(ladder_map, tmp_path):
+    """A budget only the ladder's lower rungs reach: the plan mixes i-quants; pack (RTN asked) collects the
+    imatrix itself, writes exactly the planned types and bytes, and llama.cpp loads and runs the file."""
+    from cardfit.pack import reserve_bytes
+
+    model, out = ladder_map
+    source = open_model(model)
+    reserve = reserve_bytes(source, "llama.cpp")
+    groups = json.loads((out / "map.json").read_text())["groups"]
+    q4 = sum(g["bytes"]["Q4_K"] for g in groups)
+    iq2 = sum(g["bytes"]["IQ2_XXS"] for g in groups)
+    recipe = plan(out / "map.json", reserve + (q4 + iq2) // 2, reserve_bytes=reserve)
+    chosen = {g["format"] for g in recipe["groups"]}
+    assert chosen & {"IQ3_XXS", "IQ2_XXS", "IQ1_S"}, chosen
+    report = pack(recipe, model, tmp_path / "mix.gguf", progress=False, smoke=True, calibration=out / "calib.txt",
+                  max_tokens=512, seq_len=64, ceiling=1e9)
+    assert report["tensor_bytes"] == recipe["bytes"] and report["smoke"]["perplexity"] > 0
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "mix.gguf")).tensors}
+    for g in recipe["groups"]:
+        if g["name"].startswith("layers."):
+            i = g["name"].split(".")[1]
+            assert types[f"blk.{i}.ffn_down.weight"] == g["format"]
+
+
+@pytest.fixture(scope="module")
+def embedded_i_quant_mix(default_model_dir, tmp_path_factory):
+    """The embedded model with its layers on the ladder's rungs in turn (its 1536-wide ffn_down is the
+    tensor llama.cpp can store in an i-quant; 576-wide rows take IQ4_NL, as llama.cpp does)."""
+    source = open_model(default_model_dir)
+    rungs = ["IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ4_XS", "Q4_K"]
+    uniform = {r: uniform_recipe(source, r) for r in rungs + ["Q8_0"]}
+    recipe = copy.deepcopy(uniform["Q8_0"])
+    layer = 0
+    for i, group in enumerate(recipe["groups"]):
+        if group["name"].startswith("layers."):
+            recipe["groups"][i] = dict(uniform[rungs[layer % len(rungs)]]["groups"][i])
+            layer += 1
+    recipe["bytes"] = sum(g["bytes"] for g in recipe["groups"])
+    recipe["uniform_bytes"] = {}
+    recipe["budget"]["weight_budget_bytes"] = recipe["bytes"] * 2
+    recipe["margin_bytes"] = recipe["bytes"]
+    out = tmp_path_factory.mktemp("iq-mix") / "mix.gguf"
+    pack(recipe, default_model_dir, out, progress=False, max_tokens=1024, seq_len=256)
+    return out, recipe
+
+
+def test_the_mixed_i_quant_gguf_passes_check_in_llama_cpp(embedded_i_quant_mix, default_model_dir):
+    from cardfit.check import check
+
+    out, recipe = embedded_i_quant_mix
+    stored = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert {"IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS"} <= stored
+    report = check(out, default_model_dir, max_tokens=1024, seq_len=256)
+    assert report["verdict"] == "pass", report["reasons"]
+    assert 0 < report["kld_mean"] < 1.0
+
+
+def test_the_planner_floor_reaches_below_two_bits(tiny_model):
+    """budget and plan know the ladder: the smallest llama.cpp recipe is the IQ1_S one, under 2 bits/weight."""
+    from cardfit.sizes import minimum_bytes, priced_tensors
+
+    source = open_model(tiny_model("qwen2-256"))
+    params = sum(t.numel for t in priced_tensors(source) if len(t.shape) == 2)
+    floor = minimum_bytes(source, "llama.cpp")
+    assert floor * 8 / params < 2.0
+    assert floor < sum(get_format("Q2_K").tensor_bytes(t.name, t.shape) for t in priced_tensors(source))
+
+
+def test_fit_scans_the_ladder_only_when_the_budget_is_below_the_default_menus_floor(tiny_model):
+    from cardfit.fit import scan_menu
+    from cardfit.sizes import priced_tensors
+    from cardfit.targets import get_target
+
+    target = get_target("llama.cpp")
+    source = open_model(tiny_model("qwen2-256"))
+    q2 = sum(get_format("Q2_K").tensor_bytes(t.name, t.shape) for t in priced_tensors(source))
+    assert scan_menu(target, source, q2) == target.default_scan_formats
+    low = scan_menu(target, source, q2 - 1)
+    assert low.startswith(target.default_scan_formats + ",") and "IQ2_XXS" in low
