@@ -105,7 +105,7 @@ class ImatrixFile:
     def __init__(self, path: str | Path, source: ModelSource):
         import gguf
 
-        path = Path(path)
+        path = self.path = Path(path)
         try:
             reader = gguf.GGUFReader(str(path))
         except (OSError, ValueError) as exc:
@@ -130,6 +130,20 @@ class ImatrixFile:
         if not self.means:
             raise CardfitError(f"{path} has no entry for any tensor of this model", "use an imatrix made for this model")
         self._layer_of = {t.name: t.group for t in source.tensors()}
+
+    def require(self, formats: dict, source: ModelSource) -> None:
+        """Refuse, before anything is written, a file that lacks a tensor whose type cannot round without
+        one (the embedding needs none: it is a lookup, weighed equally)."""
+        from .formats.gguf_formats import IMATRIX_TYPES
+
+        shapes = {t.name: t.shape for t in source.tensors()}
+        matrices = gguf_tensor_names(source)
+        for name, fmt in formats.items():
+            storage = fmt.storage(name, shapes[name])
+            if storage in IMATRIX_TYPES and name not in self.means and name in matrices:
+                raise CardfitError(f"{self.path} has no entry for {matrices[name]}, which the "
+                                   f"recipe stores as {storage} (a type that quantizes only with one)",
+                                   "use an imatrix made over this whole model, or leave --imatrix out and pack collects one")
 
     def statistics(self, index: int) -> dict[str, Calibration]:
         group = GroupId.layer_group(index)

@@ -80,7 +80,7 @@ def embedded_i_quant_mix(default_model_dir, tmp_path_factory):
     recipe["budget"]["weight_budget_bytes"] = recipe["bytes"] * 2
     recipe["margin_bytes"] = recipe["bytes"]
     out = tmp_path_factory.mktemp("iq-mix") / "mix.gguf"
-    pack(recipe, default_model_dir, out, progress=False, max_tokens=1024, seq_len=256)
+    pack(recipe, default_model_dir, out, progress=False, max_tokens=512, seq_len=256)
     return out, recipe
 
 
@@ -90,7 +90,7 @@ def test_the_mixed_i_quant_gguf_passes_check_in_llama_cpp(embedded_i_quant_mix, 
     out, recipe = embedded_i_quant_mix
     stored = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
     assert {"IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS"} <= stored
-    report = check(out, default_model_dir, max_tokens=1024, seq_len=256)
+    report = check(out, default_model_dir, max_tokens=512, seq_len=256)
     assert report["verdict"] == "pass", report["reasons"]
     assert 0 < report["kld_mean"] < 1.0
 
@@ -117,3 +117,58 @@ def test_fit_scans_the_ladder_only_when_the_budget_is_below_the_default_menus_fl
     assert scan_menu(target, source, q2) == target.default_scan_formats
     low = scan_menu(target, source, q2 - 1)
     assert low.startswith(target.default_scan_formats + ",") and "IQ2_XXS" in low
+
+
+def test_an_imatrix_file_missing_a_tensor_an_i_quant_needs_is_refused_before_writing(ladder_map, tmp_path):
+    import numpy as np
+
+    from cardfit.errors import CardfitError
+    from cardfit.imatrix import collect_imatrix
+
+    model, out = ladder_map
+    whole = tmp_path / "imatrix.gguf"
+    collect_imatrix(model, out / "calib.txt", max_tokens=256, seq_len=64, out=whole, progress=False)
+    reader = gguf.GGUFReader(str(whole))
+    partial = tmp_path / "partial.gguf"
+    writer = gguf.GGUFWriter(str(partial), arch="imatrix")
+    writer.kv_data[0].pop("general.architecture", None)
+    writer.add_type(gguf.GGUFType.IMATRIX)
+    for t in reader.tensors:
+        if not t.name.startswith("blk.1."):
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(1, -1))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    recipe = uniform_recipe(open_model(model), "IQ2_XXS")
+    before = partial.read_bytes()
+    with pytest.raises(CardfitError, match="no entry for blk.1"):
+        pack(recipe, model, tmp_path / "out.gguf", progress=False, imatrix=partial)
+    assert not (tmp_path / "out.gguf").exists() and partial.read_bytes() == before
+    report = pack(recipe, model, tmp_path / "out.gguf", progress=False, imatrix=whole, smoke=False)
+    assert report["tensor_bytes"] == recipe["bytes"]
+
+
+def test_per_tensor_groups_plan_and_pack_the_ladder(ladder_map, tmp_path):
+    """--group-by tensor at i-quant sizes: every matrix its own cell (each with its own imatrix), the plan
+    mixes types inside a layer, and pack writes exactly that."""
+    from cardfit.pack import reserve_bytes
+
+    model, out = ladder_map
+    scan(model, out / "calib.txt", max_tokens=256, formats="Q4_K,IQ2_XXS", group_by="tensor", seq_len=64,
+         out=tmp_path / "map.json", progress=False)
+    groups = json.loads((tmp_path / "map.json").read_text())["groups"]
+    assert any(g["name"].endswith("down_proj.weight") and g["cells"]["IQ2_XXS"]["damage"] > 0 for g in groups)
+    reserve = reserve_bytes(open_model(model), "llama.cpp")
+    budget = reserve + sum(g["bytes"]["Q4_K"] + g["bytes"]["IQ2_XXS"] for g in groups) // 2
+    recipe = plan(tmp_path / "map.json", budget, reserve_bytes=reserve)
+    report = pack(recipe, model, tmp_path / "mix.gguf", progress=False, smoke=False, calibration=out / "calib.txt",
+                  max_tokens=512)
+    assert report["tensor_bytes"] == recipe["bytes"]
+    from cardfit.imatrix import gguf_tensor_names
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "mix.gguf")).tensors}
+    names = gguf_tensor_names(open_model(model))
+    per_tensor = [g for g in recipe["groups"] if g["name"] in names]
+    assert per_tensor and all(types[names[g["name"]]] == g["format"] for g in per_tensor)
+    assert {"Q4_K", "IQ2_XXS"} <= {g["format"] for g in per_tensor}

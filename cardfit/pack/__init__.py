@@ -75,6 +75,7 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
         from ..imatrix import ImatrixFile
 
         calib = ImatrixFile(imatrix, source)
+        calib.require(formats, source)
     else:
         # statistics for the asked rounding, and the imatrix of any type that cannot round without one
         methods = {f.method_for(method) for f in formats.values()} - {"rtn"}
