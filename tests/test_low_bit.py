@@ -160,7 +160,11 @@ def test_per_tensor_groups_plan_and_pack_the_ladder(ladder_map, tmp_path):
     groups = json.loads((tmp_path / "map.json").read_text())["groups"]
     assert any(g["name"].endswith("down_proj.weight") and g["cells"]["IQ2_XXS"]["damage"] > 0 for g in groups)
     reserve = reserve_bytes(open_model(model), "llama.cpp")
-    budget = reserve + sum(g["bytes"]["Q4_K"] + g["bytes"]["IQ2_XXS"] for g in groups) // 2
+    # the embedding at IQ2_XXS, the matrices halfway between Q4_K and IQ2_XXS: they must mix
+    matrices = [g for g in groups if g["name"] != "embed"]
+    embed = next(g for g in groups if g["name"] == "embed")
+    budget = (reserve + embed["bytes"]["IQ2_XXS"]
+              + sum(g["bytes"]["Q4_K"] + g["bytes"]["IQ2_XXS"] for g in matrices) // 2)
     recipe = plan(tmp_path / "map.json", budget, reserve_bytes=reserve)
     report = pack(recipe, model, tmp_path / "mix.gguf", progress=False, smoke=False, calibration=out / "calib.txt",
                   max_tokens=512)
