@@ -144,6 +144,14 @@ def scan_command(
                                                          "what is free): layers that fit stay resident."),
     estimate: bool = typer.Option(False, "--estimate", help="Print what the scan would cost (counts, FLOPs, bytes, "
                                                              "peak memory, time from a short measured run) and stop."),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="[ADDRESS]",
+                                      help="Spread the group sweeps over a Ray cluster: ADDRESS (host:port) joins "
+                                           "one, 'auto' joins this host's, bare --ray starts a local one "
+                                           "(needs pip install -e '.[ray]')."),
+    workers: Optional[int] = typer.Option(None, help="With --ray: sweeps at a time (default: one per GPU, "
+                                                      "else one per CPU of the cluster)."),
+    shared_dir: Optional[str] = typer.Option(None, help="With --ray: a directory every node mounts at this path, "
+                                                         "for boundary activations (default: Ray's object store)."),
 ):
     """Damage of every layer group at every format: the sensitivity map."""
     from .scan import scan
@@ -153,7 +161,7 @@ def scan_command(
     gpu = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
     result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding, seq_len,
                   batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
-                  log=typer.echo, estimate=estimate)
+                  log=typer.echo, estimate=estimate, ray=ray, workers=workers, shared_dir=shared_dir)
     if estimate:
         if result["estimate"] is None:
             typer.echo(f"{out} is complete: nothing to measure")
@@ -489,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     Outputs are written under temporary names and renamed into place last, so the exceptions
     that end a run here (errors and signals alike) have already removed anything half-written
     by the time this prints its line."""
+    argv = _optional_values(list(sys.argv[1:] if argv is None else argv))
     with _signals_raise():
         try:
             code = app(args=argv, standalone_mode=False, prog_name="cardfit")
@@ -511,6 +520,20 @@ def main(argv: list[str] | None = None) -> int:
         typer.echo(INTERRUPTED, err=True)
         return 130
     return code if isinstance(code, int) else 0
+
+
+OPTIONAL_VALUES = {"--ray": "local"}  # options whose value may be left out: bare --ray starts a local cluster
+
+
+def _optional_values(argv: list[str]) -> list[str]:
+    """Fill in the value of an option given bare (last, or followed by another option); typer has no
+    optional-value options."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg in OPTIONAL_VALUES and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append(OPTIONAL_VALUES[arg])
+    return out
 
 
 INTERRUPTED = ("interrupted — nothing half-written was left; rerun to continue "

@@ -32,6 +32,23 @@ class ScanEstimate:
     seconds: float
     calibration_seconds: float  # spent measuring the unit times
     unit_seconds: dict
+    reference_seconds: float = 0.0  # the reference pass, part of `seconds`
+    group_seconds: list = None  # each group's sweeps (one Ray task each), the rest of `seconds`
+
+    def render_workers(self, workers: int) -> str:
+        seconds = self.on_workers(workers)
+        when = f"about {seconds / 60:.0f} minutes" if seconds >= 120 else f"about {seconds:.0f} seconds"
+        return (f"on {workers} such worker{'s' * (workers != 1)}: {when} (the reference pass, then the longest-first "
+                f"schedule of {len(self.group_seconds or [])} groups' sweeps; transfers and worker start-up not counted)")
+
+    def on_workers(self, workers: int) -> float:
+        """Seconds with the group sweeps spread over `workers` equal workers, longest first (as cluster.py
+        submits them): the reference pass, then the makespan of that greedy schedule. Transfers of
+        activations and each worker's one-time start are not in it."""
+        finish = [0.0] * max(1, workers)
+        for seconds in sorted(self.group_seconds or [], reverse=True):
+            finish[finish.index(min(finish))] += seconds
+        return self.reference_seconds + max(finish)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,9 +83,15 @@ def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
 
     layer_forwards = head_forwards = layer_reads = quantizations = 0
     quant_seconds = 0.0
+    def seconds_of(forwards, heads, reads, quantizing=0.0):
+        return (forwards * units["layer_forward"] + heads * units["head_forward"] + reads * units["layer_read"]
+                + quantizing)
+
     layer_forwards += layers * batches  # the reference
     head_forwards += batches
     layer_reads += layers
+    reference_seconds = seconds_of(layer_forwards, head_forwards, layer_reads)
+    group_seconds = []
     for i, pending in pending_by_group(todo).items():
         group = groups[i]
         measured = measured_formats(group, pending)
@@ -76,16 +99,21 @@ def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
             continue
         start = 0 if group.start < 0 else min(group.start, layers)
         params = copy_bytes(group) // 4
+        forwards = heads = reads = 0
+        quantizing = 0.0
         for f in measured:
             quantizations += 1
-            quant_seconds += units["quantize_per_param"].get(f.name, 0.0) * params
+            quantizing += units["quantize_per_param"].get(f.name, 0.0) * params
         if any(f.method_for(scanner.rounding) != "rtn" for f in measured) and 0 <= group.start < layers:
-            layer_forwards += batches
-            layer_reads += 1
+            forwards += batches
+            reads += 1
         for sweep in format_batches(group, measured, limit):
-            layer_reads += layers - start
-            layer_forwards += (layers - start) * batches * len(sweep)
-            head_forwards += batches * len(sweep) * (1 if scanner.keep_reference else 2)
+            reads += layers - start
+            forwards += (layers - start) * batches * len(sweep)
+            heads += batches * len(sweep) * (1 if scanner.keep_reference else 2)
+        layer_forwards, head_forwards, layer_reads = layer_forwards + forwards, head_forwards + heads, layer_reads + reads
+        quant_seconds += quantizing
+        group_seconds.append(seconds_of(forwards, heads, reads, quantizing))
     layer_params = _layer_params(source)
     head_params = geometry.vocab_size * geometry.hidden_size
     per_token = layer_flops(geometry, chunk.shape[1], layer_params)
@@ -97,10 +125,9 @@ def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
     activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
     reference = tokens * geometry.vocab_size * 4 if scanner.keep_reference else 0
     peak = activations + reference + limit + 2 * layer_params * 4 + 2 * head_params * 4
-    seconds = (layer_forwards * units["layer_forward"] + head_forwards * units["head_forward"]
-               + layer_reads * units["layer_read"] + quant_seconds)
+    seconds = seconds_of(layer_forwards, head_forwards, layer_reads, quant_seconds)
     return ScanEstimate(layer_forwards, head_forwards, layer_reads, quantizations, flops, bytes_read, moved, peak,
-                        seconds, calibration_seconds, units)
+                        seconds, calibration_seconds, units, reference_seconds, group_seconds)
 
 
 def _layer_params(source) -> int:

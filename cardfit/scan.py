@@ -286,11 +286,14 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
          out: str | Path = "sensitivity.json", resume: bool = False, device: str = "auto",
          memory_cap: int | None = None, rounding: str = "rtn", seq_len: int = 512, batch: int = 4,
          progress: bool = True, method: str = "exact", dtype: str = "auto", gpu_memory: int | None = None,
-         log=None, estimate: bool = False) -> dict:
+         log=None, estimate: bool = False, ray: str | None = None, workers: int | None = None,
+         shared_dir: str | Path | None = None) -> dict:
     """Measure the damage of every group at every format; returns the map (also written to `out`).
 
     With `estimate`, measures nothing and writes nothing: returns {"estimate": ...}, the counts and the
-    time the scan would take (estimate.py). With `log`, that estimate is also shown before a scan."""
+    time the scan would take (estimate.py). With `log`, that estimate is also shown before a scan.
+    With `ray` ('local', 'auto' or a cluster's address) the group sweeps run as Ray tasks (cluster.py),
+    at most `workers` at a time; the map is the same bytes."""
     from transformers import AutoTokenizer
 
     from .paths import guard_output, input_paths, model_paths
@@ -302,6 +305,16 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         raise CardfitError("the fast estimator prices RTN rounding only", "use --rounding rtn with --method fast")
     if rounding not in ROUNDINGS:
         raise CardfitError(f"unknown rounding '{rounding}'", "use " + ", ".join(ROUNDINGS))
+    if ray is None and (workers is not None or shared_dir is not None):
+        raise CardfitError("--workers and --shared-dir spread a scan over Ray", "add --ray (local, auto or ADDRESS)")
+    if ray is not None and method != "exact":
+        raise CardfitError("--ray spreads the exact scan's group sweeps", "drop --ray, or use --method exact")
+    if workers is not None and workers < 1:
+        raise CardfitError(f"--workers {workers} is not a positive count", "e.g. --workers 8")
+    if ray is not None:
+        from .cluster import check
+
+        check(ray, None if shared_dir is None else str(shared_dir))
     if max_tokens <= 0 or seq_len <= 1 or batch <= 0:
         raise CardfitError("--max-tokens, --seq-len and --batch must be positive",
                            "e.g. --max-tokens 8192 --seq-len 512 --batch 4")
@@ -356,6 +369,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     scanner = Scanner(source, engine, chunks, batch, cache, rounding)
     # quantized copies held at once: never more than the largest group's single copy (the old one-cell peak)
     limit = max(copy_bytes(g) for g in groups)
+    guess = None
     if estimate or log:
         from .estimate import estimate_scan
 
@@ -369,7 +383,29 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         if log:
             log(guess.render())
         if estimate:
-            return {"estimate": guess.as_dict()}
+            answer = {"estimate": guess.as_dict()}
+            if ray is not None and workers:
+                answer["estimate"]["workers"] = workers
+                answer["estimate"]["seconds_on_workers"] = guess.on_workers(workers)
+                if log:
+                    log(guess.render_workers(workers))
+            return answer
+    if ray is not None:
+        from .cluster import scan_on_ray
+
+        keep_reference = scanner.keep_reference
+        cache.close()
+        engine.close()
+        bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
+        try:
+            return scan_on_ray(ray, workers, None if shared_dir is None else str(shared_dir), source=source,
+                               groups=groups, todo=todo, result=result, out=out, fmts=fmts, chunks=chunks,
+                               batch=batch, rounding=rounding, group_by=group_by, device=device, dtype=dtype,
+                               gpu_memory=gpu_memory, memory_cap=memory_cap, limit=limit,
+                               keep_reference=keep_reference, bar=bar, log=log, estimate=guess)
+        finally:
+            if bar:
+                bar.close()
     bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
     sweeps = 0
     try:
@@ -377,35 +413,17 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         return_freed_memory()
         result["reference"] = {"perplexity": round(ref.perplexity, 6)}
         for i, pending in pending_by_group(todo).items():
-            group, entry = groups[i], result["groups"][i]
-            measured = measured_formats(group, pending)
-            free = [f for f in pending if f not in measured]
-            for fmt in free:
-                entry["cells"][fmt.name] = {"damage": 0.0, "stderr": 0.0, "top1": 1.0}
-            calibration_stats = scanner.calibration(group, measured) if measured else {}
-            for sweep_formats in format_batches(group, measured, limit):
-                sweeps += 1
-                if bar:
-                    bar.set_description(f"{group.name} @ {','.join(f.name for f in sweep_formats)}")
-                with engine.quantizers():
-                    variants = {f.name: scanner.quantized(group, f, calibration_stats) for f in sweep_formats}
-                meters = scanner.sweep(group, variants)
-                del variants
-                for fmt in sweep_formats:
-                    meter = meters[fmt.name]
-                    stderr = meter.kl_stderr  # undefined over a single chunk: recorded as null, not NaN
-                    entry["cells"][fmt.name] = {"damage": meter.kl,
-                                                "stderr": stderr if math.isfinite(stderr) else None,
-                                                "top1": meter.top1}
+            entry = result["groups"][i]
+
+            def sweep_done(cells, entry=entry):
+                entry["cells"].update(cells)
                 write_json(out, result)
-                return_freed_memory()
                 if bar:
-                    bar.update(len(sweep_formats))
+                    bar.update(len(cells))
+
+            cells = measure_group(scanner, groups[i], pending, limit, sweep_done, bar)
+            sweeps += cells.sweeps
             entry["cells"] = {f.name: entry["cells"][f.name] for f in fmts if f.name in entry["cells"]}
-            if free:
-                write_json(out, result)
-                if bar:
-                    bar.update(len(free))
     finally:
         cache.close()
         engine.close()
@@ -413,6 +431,52 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
             bar.close()
     if log:
         log(f"read decoder layers {engine.layer_loads()} times ({engine.layers} layers, {sweeps} group sweeps)")
+    return finish(result, out)
+
+
+class GroupCells(dict):
+    """Format name -> cell of one group, and how many sweeps measured them."""
+    sweeps = 0
+
+
+def measure_group(scanner: Scanner, group: Group, pending: list[Format], limit: int,
+                  sweep_done=None, bar=None) -> GroupCells:
+    """Every pending cell of one group: formats that store nothing quantized cost 0; the rest are
+    measured in sweeps of at most `limit` bytes of quantized copies, with the group's calibration
+    statistics computed once. `sweep_done(cells)` sees each sweep's cells (the free ones first) as
+    soon as they exist, so a caller can checkpoint them. The single-process scan and each Ray task
+    run exactly this, so their cells are the same bits."""
+    cells = GroupCells()
+    measured = measured_formats(group, pending)
+    free = {f.name: {"damage": 0.0, "stderr": 0.0, "top1": 1.0} for f in pending if f not in measured}
+    if free:
+        cells.update(free)
+        if sweep_done:
+            sweep_done(free)
+    calibration_stats = scanner.calibration(group, measured) if measured else {}
+    for sweep_formats in format_batches(group, measured, limit):
+        cells.sweeps += 1
+        if bar:
+            bar.set_description(f"{group.name} @ {','.join(f.name for f in sweep_formats)}")
+        with scanner.engine.quantizers():
+            variants = {f.name: scanner.quantized(group, f, calibration_stats) for f in sweep_formats}
+        meters = scanner.sweep(group, variants)
+        del variants
+        swept = {}
+        for fmt in sweep_formats:
+            meter = meters[fmt.name]
+            stderr = meter.kl_stderr  # undefined over a single chunk: recorded as null, not NaN
+            swept[fmt.name] = {"damage": meter.kl, "stderr": stderr if math.isfinite(stderr) else None,
+                               "top1": meter.top1}
+        cells.update(swept)
+        if sweep_done:
+            sweep_done(swept)
+        return_freed_memory()
+    return cells
+
+
+def finish(result: dict, out: Path) -> dict:
+    """Mark a map whose every cell is measured complete, with its separability, and write it."""
     fraction = _separable_fraction(result["groups"], result["formats"])
     result["separable_fraction"] = fraction
     if fraction is not None and fraction < 0.5:

@@ -1,0 +1,340 @@
+"""The scan spread over a Ray cluster: one reference pass, then each group's sweep as a Ray task.
+
+Once the reference pass has cached every group's input (the hidden states entering its first
+layer) and the reference's log-probabilities, the sweeps of different groups are independent: a
+worker needs the model (read from the same path on every node), those inputs, the final hidden
+states and the reference, and runs `scan.measure_group` — the very function the single-process
+scan runs, so a cell is the same bits wherever it was measured. The reference pass is a task too
+(on a GPU node when the cluster has GPUs); its outputs travel through Ray's object store (one
+object per boundary, fetched once per node), or through `--shared-dir`, a directory every node
+mounts, for activations too large for the store.
+
+Sweeps are submitted longest first (a group at layer i re-runs L - i layers; the embedding all L),
+at most `workers` in flight, each with its resources (one GPU where the cluster has GPUs, else an
+equal share of the CPUs; `memory` for what it holds). One coordinator — this process — writes the
+map after every finished sweep, cells in canonical order, so the map is byte-identical to a
+single-process scan and `--resume` works across both. A worker that dies (SIGKILL, the OOM
+killer) takes no finished cell with it: Ray retries its task elsewhere (`RETRIES` times).
+
+Ray is an optional extra (`pip install -e '.[ray]'`); nothing else in cardfit imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .atomic import write_json
+from .errors import CardfitError
+
+RETRIES = 3  # attempts after the first when the worker process of a task dies
+FORWARDED_ENV = ("CARDFIT_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@dataclass
+class ScanJob:
+    """Everything a worker needs to measure a group as the coordinator would (plain data, no model)."""
+
+    model: str  # the runnable model directory; every node reads it at this path
+    group_by: str
+    rounding: str
+    chunks: np.ndarray  # calibration token ids, (chunks, seq_len)
+    batch: int
+    device: str
+    dtype: str
+    gpu_memory: int | None
+    memory_cap: int | None
+    limit: int  # bytes of quantized copies one sweep may hold
+    shared_dir: str | None = None
+    env: dict = field(default_factory=dict)
+
+    def scanner(self):
+        """A Scanner on this worker over the job's model, with an empty activation cache."""
+        from .activations import ActivationCache
+        from .engine import Engine
+        from .scan import Scanner
+        from .sources.hf_dir import HfDirectorySource
+
+        source = HfDirectorySource(Path(self.model))
+        engine = Engine(source, self.device, self.dtype, self.gpu_memory)
+        budget = None if self.memory_cap is None else self.memory_cap // 2
+        cache = ActivationCache(budget, spill_dir=tempfile.gettempdir())
+        return Scanner(source, engine, torch.from_numpy(self.chunks.copy()), self.batch, cache, self.rounding)
+
+
+# -- connecting ---------------------------------------------------------------------------------------
+def ray_module():
+    try:
+        import ray
+    except ImportError:
+        raise CardfitError("--ray needs Ray, which is not installed", "pip install -e '.[ray]'") from None
+    return ray
+
+
+def check(address: str | None, shared_dir: str | None) -> None:
+    """What can be refused before any work: Ray missing, a malformed or silent address, no shared dir."""
+    ray_module()
+    if shared_dir is not None and not Path(shared_dir).is_dir():
+        raise CardfitError(f"--shared-dir {shared_dir} is not a directory",
+                           "create it on a volume every Ray node mounts at the same path")
+    spec = (address or "local").strip()
+    if spec in ("local", "auto"):
+        return
+    host, port = _host_port(spec)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as exc:
+        raise CardfitError(f"no Ray cluster answers at {spec} ({exc.strerror or exc})",
+                           "start one there with `ray start --head`, or use --ray auto to join this "
+                           "host's cluster, or --ray local to start one here") from None
+
+
+def connect(address: str | None) -> str:
+    """Join the cluster at `address` ('auto': the one this host runs; host:port or ray://host:port), or
+    start a local one (None or 'local'); returns a line saying which."""
+    ray = ray_module()
+    options = dict(logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False)
+    spec = (address or "local").strip()
+    if ray.is_initialized():
+        ray.shutdown()
+    if spec == "local":
+        ray.init(**options)
+        return f"started a local Ray cluster ({_resources_line(ray)})"
+    check(spec, None)
+    try:
+        ray.init(address=spec, **options)
+    except (ConnectionError, RuntimeError) as exc:
+        raise CardfitError(f"could not join a Ray cluster at '{spec}': {str(exc).splitlines()[0]}",
+                           "start one with `ray start --head`, or use --ray local to start one here") from None
+    return f"joined the Ray cluster at {spec} ({_resources_line(ray)})"
+
+
+def _host_port(spec: str) -> tuple[str, int]:
+    rest = spec.removeprefix("ray://")
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise CardfitError(f"'{spec}' is not a Ray address",
+                           "use --ray HOST:PORT (the head's GCS port, 6379 by default), --ray auto or --ray local")
+    return host, int(port)
+
+
+def _resources_line(ray) -> str:
+    total = ray.cluster_resources()
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return (f"{nodes} node{'s' * (nodes != 1)}, {total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs, "
+            f"{total.get('memory', 0) / 2**30:.1f} GiB")
+
+
+# -- what each task asks for -----------------------------------------------------------------------
+@dataclass
+class Placement:
+    workers: int  # sweeps in flight
+    options: dict  # Ray resources of each sweep task
+    threads: int  # torch threads in a CPU task
+
+
+def placement(ray, workers: int | None, device: str, task_memory: int) -> Placement:
+    """One GPU per task where the cluster has GPUs (and --device allows), else an equal share of the
+    CPUs; refused up front when no node could ever hold a task (Ray would wait for it forever)."""
+    total = ray.cluster_resources()
+    gpus = int(total.get("GPU", 0)) if not device.startswith("cpu") else 0
+    if device.startswith("cuda") and not gpus:
+        raise CardfitError(f"--device {device} but the Ray cluster has no GPUs", "use --device auto or cpu")
+    cpus = int(total.get("CPU", 0))
+    if cpus < 1:
+        raise CardfitError("the Ray cluster offers no CPUs", "start its nodes with --num-cpus 1 or more")
+    slots = gpus if gpus else cpus
+    workers = min(workers or slots, slots)
+    per_node = [n.get("Resources", {}).get("memory", 0) for n in ray.nodes() if n.get("Alive")]
+    if per_node and task_memory > max(per_node):
+        raise CardfitError(f"one sweep needs about {task_memory / 2**30:.1f} GiB and no Ray node offers that much",
+                           "add a node with more memory, or lower --max-tokens or --batch")
+    threads = 1 if gpus else max(1, cpus // workers)
+    options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": threads}
+    options["memory"] = task_memory
+    return Placement(workers, options, threads)
+
+
+# -- the tasks -------------------------------------------------------------------------------------------
+def _reference_task(job: ScanJob, threads: int, layers: int):
+    """The reference pass: its perplexity, then each boundary's hidden states (points 0..L), then the
+    reference log-probabilities — one object each, or files under the job's shared directory."""
+    torch.set_num_threads(threads)
+    scanner = job.scanner()
+    try:
+        meter = scanner.reference()
+        points = [[scanner.cache.get(p, b) for b in range(len(scanner.batches))] for p in range(layers + 1)]
+        reference = [(key, lp, top) for key, (lp, top) in scanner.ref_logits.items()]
+        if job.shared_dir:  # safetensors, not the object store: any dtype, read by path on every node
+            from safetensors.torch import save_file
+
+            for p, arrays in enumerate(points):
+                save_file({str(b): a for b, a in enumerate(arrays)}, str(Path(job.shared_dir) / f"point-{p}.safetensors"))
+            flat = {}
+            for (b, r, s), lp, top in reference:
+                flat[f"lp/{b}/{r}/{s}"], flat[f"top/{b}/{r}/{s}"] = lp, top
+            save_file(flat, str(Path(job.shared_dir) / "reference.safetensors"))
+            points, reference = [None] * (layers + 1), None
+        return (meter.perplexity, *points, reference)
+    finally:
+        scanner.cache.close()
+        scanner.engine.close()
+
+
+def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], point_refs: list, reference_ref):
+    """Every pending cell of group `index`, measured by scan.measure_group on this worker."""
+    ray = ray_module()
+    from .formats import parse_formats
+    from .scan import measure_group, scan_groups
+
+    torch.set_num_threads(threads)
+    scanner = job.scanner()
+    try:
+        group = scan_groups(scanner.source, job.group_by)[index]
+        layers = scanner.layers
+        point = None if group.start < 0 else min(group.start, layers)
+        wanted = sorted({layers} | ({point} if point is not None else set()))
+        for p in wanted:
+            for b, array in enumerate(_point(ray, job, p, point_refs)):
+                scanner.cache.put(p, b, array)
+        if scanner.keep_reference:
+            for key, lp, top in _reference(ray, job, reference_ref):
+                scanner.ref_logits[key] = (lp, top)
+        cells = measure_group(scanner, group, parse_formats(formats), job.limit)
+        return {"group": group.name, "cells": dict(cells), "sweeps": cells.sweeps,
+                "layer_reads": scanner.engine.layer_loads(), "host": socket.gethostname(), "pid": os.getpid()}
+    finally:
+        scanner.cache.close()
+        scanner.engine.close()
+
+
+def _point(ray, job: ScanJob, p: int, refs: list) -> list[torch.Tensor]:
+    if job.shared_dir:
+        from safetensors.torch import load_file
+
+        arrays = load_file(str(Path(job.shared_dir) / f"point-{p}.safetensors"))
+        return [arrays[str(b)] for b in range(len(arrays))]
+    return ray.get(refs[p])
+
+
+def _reference(ray, job: ScanJob, reference) -> list:
+    """The reference log-probabilities: Ray resolved them from the store (a top-level task argument),
+    or they are read from the shared directory."""
+    if not job.shared_dir:
+        return reference
+    from safetensors.torch import load_file
+
+    flat = load_file(str(Path(job.shared_dir) / "reference.safetensors"))
+    out = []
+    for name in flat:
+        if name.startswith("lp/"):
+            b, r, s = (int(x) for x in name.split("/")[1:])
+            out.append(((b, r, s), flat[name], flat[f"top/{b}/{r}/{s}"]))
+    return out
+
+
+# -- the coordinator ---------------------------------------------------------------------------------
+def task_memory(source, chunks: torch.Tensor, limit: int, keep_reference: bool) -> int:
+    """Bytes one sweep task holds at its peak: its group's input and the final hidden states, the
+    reference log-probabilities, the quantized copies of one sweep, two float32 layers and the head."""
+    from .groups import GroupId
+
+    g = source.geometry
+    hidden = chunks.numel() * g.hidden_size * 4
+    reference = chunks.numel() * g.vocab_size * 4 if keep_reference else 0
+    layer = sum(t.numel for t in source.groups()[GroupId.layer_group(0)]) * 4
+    head = g.vocab_size * g.hidden_size * 4
+    return int(2 * hidden + reference + limit + 2 * layer + 2 * head + 512 * 2**20)
+
+
+def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None, *, source, groups, todo,
+                result: dict, out: Path, fmts, chunks: torch.Tensor, batch: int, rounding: str, group_by: str,
+                device: str, dtype: str, gpu_memory: int | None, memory_cap: int | None, limit: int,
+                keep_reference: bool, bar=None, log=None, estimate=None) -> dict:
+    """Measure `todo` on a Ray cluster and write the map as the single-process scan would."""
+    from .scan import finish, pending_by_group
+
+    ray = ray_module()
+    check(address, shared_dir)
+    said = connect(address)
+    job_dir = None
+    try:
+        where = placement(ray, workers, device, task_memory(source, chunks, limit, keep_reference))
+        if log:
+            log(f"{said}; {where.workers} sweep{'s' * (where.workers != 1)} at a time, each "
+                + ("on one GPU" if where.options.get("num_gpus") else f"on {where.threads} CPU thread(s)"))
+            if estimate is not None and not where.options.get("num_gpus"):
+                log(estimate.render_workers(where.workers))
+        if shared_dir:
+            job_dir = Path(shared_dir) / f"cardfit-scan-{uuid.uuid4().hex[:12]}"
+            job_dir.mkdir()
+        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        job = ScanJob(str(source.path), group_by, rounding, chunks.numpy().copy(), batch, device, dtype, gpu_memory,
+                      memory_cap, limit, str(job_dir) if job_dir else None, env)
+        options = {**where.options, "max_retries": RETRIES, "retry_exceptions": False,
+                   "runtime_env": {"env_vars": env}}
+        layers = source.geometry.num_layers
+        remote_reference = ray.remote(_reference_task).options(num_returns=layers + 3, **options)
+        refs = remote_reference.remote(job, where.threads, layers)
+        perplexity = _get(ray, refs[0], "the reference pass")
+        result["reference"] = {"perplexity": round(perplexity, 6)}
+        point_refs, reference_ref = refs[1:layers + 2], refs[layers + 2]
+        pending = pending_by_group(todo)
+        # longest first: a group at layer i re-runs L - i layers; the embedding (start -1) all of them
+        order = sorted(pending, key=lambda i: max(groups[i].start, 0))
+        sweep = ray.remote(_sweep_task).options(**options)
+        running: dict = {}
+        sweeps = reads = 0
+        hosts = set()
+        while order or running:
+            while order and len(running) < where.workers:
+                i = order.pop(0)
+                ref = sweep.remote(job, where.threads, i, [f.name for f in pending[i]], point_refs, reference_ref)
+                running[ref] = i
+            done, _ = ray.wait(list(running), num_returns=1)
+            i = running.pop(done[0])
+            answer = _get(ray, done[0], f"group {groups[i].name}")
+            entry = result["groups"][i]
+            entry["cells"].update(answer["cells"])
+            entry["cells"] = {f.name: entry["cells"][f.name] for f in fmts if f.name in entry["cells"]}
+            write_json(out, result)
+            sweeps, reads = sweeps + answer["sweeps"], reads + answer["layer_reads"]
+            hosts.add((answer["host"], answer["pid"]))
+            if bar:
+                bar.update(len(answer["cells"]))
+        if log:
+            log(f"read decoder layers {reads} times in {sweeps} group sweeps on {len(hosts)} worker process(es), "
+                f"plus {layers} for the reference pass")
+        return finish(result, out)
+    finally:
+        if 'running' in locals():
+            for ref in running:
+                ray.cancel(ref, force=True)
+        if job_dir is not None:
+            shutil.rmtree(job_dir, ignore_errors=True)
+        ray.shutdown()
+
+
+def _get(ray, ref, what: str):
+    """A task's result; a user error raised on a worker comes back as that error, a worker that died
+    more often than Ray retries as one line."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, CardfitError):
+            raise cause from None
+        raise
+    except (ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError) as exc:
+        raise CardfitError(f"the Ray worker measuring {what} died {RETRIES + 1} times ({type(exc).__name__})",
+                           "give the nodes more memory or lower --max-tokens, then rerun with --resume "
+                           "(finished cells are kept)") from None
