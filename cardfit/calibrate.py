@@ -43,15 +43,26 @@ class LayerCalibration:
         """Move the hidden states through layer `index` (with quantized weights when given)."""
         self.hidden = self.engine.step(index, self.hidden, overrides)
 
-    @torch.no_grad()
     def head_statistics(self) -> Calibration:
-        """The output matrix's statistics: its input is the final norm of the last hidden state."""
-        with self.stream.resident(NORM):
-            xs = [self.stream.decoder.norm(h).reshape(-1, h.shape[-1]).to(torch.float32) for h in self.hidden]
-        x = torch.cat(xs)
-        calibration = Calibration()
-        if "imatrix" in self.methods:
-            calibration.imatrix = (x * x).mean(dim=0).cpu()
-        if "gptq" in self.methods:
-            calibration.hessian = (x.T @ x / x.shape[0]).cpu()
-        return calibration
+        """The output matrix's statistics (final_norm_statistics) on the current hidden states."""
+        return final_norm_statistics(self.engine, self.hidden, self.methods)
+
+
+@torch.no_grad()
+def final_norm_statistics(engine, hidden, methods) -> Calibration:
+    """The output matrix's statistics: its input is the final norm of the last hidden state (what its
+    matmul reads), summed one batch at a time — mean x² (the imatrix) and, for GPTQ, the Hessian.
+    Pack, the imatrix file and the scan (from its cached final states) all take it from here."""
+    square = outer = None
+    count = 0
+    with engine.stream.resident(NORM):
+        for h in hidden:
+            h = h.to(engine.device)
+            x = engine.stream.decoder.norm(h).reshape(-1, h.shape[-1]).to(torch.float32)
+            if "imatrix" in methods:
+                square = (x * x).sum(0) if square is None else square + (x * x).sum(0)
+            if "gptq" in methods:
+                outer = x.T @ x if outer is None else outer + x.T @ x
+            count += x.shape[0]
+    return Calibration(imatrix=None if square is None else (square / count).cpu(),
+                       hessian=None if outer is None else (outer / count).cpu())

@@ -56,19 +56,24 @@ class ScanJob:
     limit: int  # bytes of quantized copies one sweep may hold
     shared_dir: str | None = None
     env: dict = field(default_factory=dict)
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)  # this scan, for workers that serve several
+
+    def activation_cache(self):
+        from .activations import ActivationCache
+
+        budget = None if self.memory_cap is None else self.memory_cap // 2
+        return ActivationCache(budget, spill_dir=tempfile.gettempdir())
 
     def scanner(self):
         """A Scanner on this worker over the job's model, with an empty activation cache."""
-        from .activations import ActivationCache
         from .engine import Engine
         from .scan import Scanner
         from .sources.hf_dir import HfDirectorySource
 
         source = HfDirectorySource(Path(self.model))
         engine = Engine(source, self.device, self.dtype, self.gpu_memory)
-        budget = None if self.memory_cap is None else self.memory_cap // 2
-        cache = ActivationCache(budget, spill_dir=tempfile.gettempdir())
-        return Scanner(source, engine, torch.from_numpy(self.chunks.copy()), self.batch, cache, self.rounding)
+        return Scanner(source, engine, torch.from_numpy(self.chunks.copy()), self.batch, self.activation_cache(),
+                       self.rounding)
 
 
 # -- connecting ---------------------------------------------------------------------------------------
@@ -121,7 +126,8 @@ def connect(address: str | None) -> str:
 def _host_port(spec: str) -> tuple[str, int]:
     rest = spec.removeprefix("ray://")
     host, _, port = rest.rpartition(":")
-    if not host or not port.isdigit():
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:6379
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise CardfitError(f"'{spec}' is not a Ray address",
                            "use --ray HOST:PORT (the head's GCS port, 6379 by default), --ray auto or --ray local")
     return host, int(port)
@@ -190,14 +196,36 @@ def _reference_task(job: ScanJob, threads: int, layers: int):
         scanner.engine.close()
 
 
-def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], point_refs: list, reference_ref):
+_WORKER: dict = {}  # this worker process's scanner for the job it serves, reused by its next tasks
+
+
+def _worker_scanner(ray, job: ScanJob, reference_box: list):
+    """The scanner this process measures with: built at its first task of the job (the engine, with any
+    layers it keeps resident on a GPU, and the reference fetched once), reused by the ones after."""
+    key = (job.key, tuple(ray.get_gpu_ids()))
+    if _WORKER.get("key") != key:
+        old = _WORKER.pop("scanner", None)
+        if old is not None:
+            old.cache.close()
+            old.engine.close()
+        scanner = job.scanner()
+        if scanner.keep_reference:
+            for ref_key, lp, top in _reference(ray, job, reference_box[0]):
+                scanner.ref_logits[ref_key] = (lp, top)
+        _WORKER.update(key=key, scanner=scanner)
+    return _WORKER["scanner"]
+
+
+def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], point_refs: list, reference_box: list):
     """Every pending cell of group `index`, measured by scan.measure_group on this worker."""
     ray = ray_module()
     from .formats import parse_formats
     from .scan import measure_group, scan_groups
 
     torch.set_num_threads(threads)
-    scanner = job.scanner()
+    scanner = _worker_scanner(ray, job, reference_box)
+    scanner.cache = job.activation_cache()
+    reads_before = scanner.engine.layer_loads()
     try:
         group = scan_groups(scanner.source, job.group_by)[index]
         layers = scanner.layers
@@ -206,15 +234,12 @@ def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], poin
         for p in wanted:
             for b, array in enumerate(_point(ray, job, p, point_refs)):
                 scanner.cache.put(p, b, array)
-        if scanner.keep_reference:
-            for key, lp, top in _reference(ray, job, reference_ref):
-                scanner.ref_logits[key] = (lp, top)
         cells = measure_group(scanner, group, parse_formats(formats), job.limit)
         return {"group": group.name, "cells": dict(cells), "sweeps": cells.sweeps,
-                "layer_reads": scanner.engine.layer_loads(), "host": socket.gethostname(), "pid": os.getpid()}
+                "layer_reads": scanner.engine.layer_loads() - reads_before, "host": socket.gethostname(),
+                "pid": os.getpid()}
     finally:
         scanner.cache.close()
-        scanner.engine.close()
 
 
 def _point(ray, job: ScanJob, p: int, refs: list) -> list[torch.Tensor]:
@@ -226,11 +251,10 @@ def _point(ray, job: ScanJob, p: int, refs: list) -> list[torch.Tensor]:
     return ray.get(refs[p])
 
 
-def _reference(ray, job: ScanJob, reference) -> list:
-    """The reference log-probabilities: Ray resolved them from the store (a top-level task argument),
-    or they are read from the shared directory."""
+def _reference(ray, job: ScanJob, ref) -> list:
+    """The reference log-probabilities, from the object store or the shared directory."""
     if not job.shared_dir:
-        return reference
+        return ray.get(ref)
     from safetensors.torch import load_file
 
     flat = load_file(str(Path(job.shared_dir) / "reference.safetensors"))
@@ -298,7 +322,7 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
         while order or running:
             while order and len(running) < where.workers:
                 i = order.pop(0)
-                ref = sweep.remote(job, where.threads, i, [f.name for f in pending[i]], point_refs, reference_ref)
+                ref = sweep.remote(job, where.threads, i, [f.name for f in pending[i]], point_refs, [reference_ref])
                 running[ref] = i
             done, _ = ray.wait(list(running), num_returns=1)
             i = running.pop(done[0])

@@ -68,8 +68,9 @@ def layer_flops(geometry, seq_len: int, layer_params: int) -> float:
     return 2 * layer_params + attention
 
 
-def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
-    """Counts of the scan `todo` will run (scan.py's walk) priced by unit times measured now."""
+def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None = None) -> ScanEstimate:
+    """Counts of the scan `todo` will run (scan.py's walk) priced by unit times measured now, or by
+    given `units` (the same keys as _unit_seconds; bench/project_cluster.py prices other devices so)."""
     from .scan import copy_bytes, format_batches, measured_formats, pending_by_group
 
     engine, source = scanner.engine, scanner.source
@@ -78,8 +79,8 @@ def estimate_scan(scanner, groups, todo, limit: int, formats) -> ScanEstimate:
     chunk = scanner.batches[0]
     tokens = int(scanner.chunks.numel())
     geometry = source.geometry
-    units = _unit_seconds(scanner, formats)
-    calibration_seconds = units.pop("_measured_in")
+    units = dict(units) if units is not None else _unit_seconds(scanner, formats)
+    calibration_seconds = units.pop("_measured_in", 0.0)
 
     layer_forwards = head_forwards = layer_reads = quantizations = 0
     quant_seconds = 0.0

@@ -157,20 +157,11 @@ class Scanner:
             stats = layer_statistics(self.engine, group.start, names, methods, inputs)
             return {n: stats.calibration(n) for n in names}
         if names and group.start >= self.layers:
-            return dict.fromkeys(names, self.head_statistics())
-        return {}
+            from .calibrate import final_norm_statistics
 
-    @torch.no_grad()
-    def head_statistics(self) -> Calibration:
-        """The output matrix's imatrix: mean x² of the final-normed hidden states (what its matmul reads)."""
-        norm = self.stream.decoder.norm
-        total, count = 0, 0
-        with self.stream.resident(NORM):
-            for b in range(len(self.batches)):
-                h = self.cache.get(self.layers, b).to(self.engine.device)
-                x = norm(h).reshape(-1, h.shape[-1]).to(torch.float32)
-                total, count = total + (x * x).sum(0), count + x.shape[0]
-        return Calibration(imatrix=(total / count).cpu())
+            final = (self.cache.get(self.layers, b) for b in range(len(self.batches)))
+            return dict.fromkeys(names, final_norm_statistics(self.engine, final, methods))
+        return {}
 
     def quantized(self, group: Group, fmt: Format, calibration: dict[str, Calibration]) -> dict[str, torch.Tensor]:
         method = fmt.method_for(self.rounding)

@@ -142,6 +142,7 @@ def test_resume_across_single_process_and_ray(cluster, single_map, tmp_path):
 @pytest.mark.parametrize("ray_args, says", [
     (["--ray", "127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1"),
     (["--ray", "not-an-address"], "is not a Ray address"),
+    (["--ray", "127.0.0.1:99999"], "is not a Ray address"),
     (["--ray", "--shared-dir", "/nonexistent/dir"], "--shared-dir /nonexistent/dir is not a directory"),
     (["--workers", "2"], "add --ray"),
     (["--ray", "--method", "fast"], "use --method exact"),

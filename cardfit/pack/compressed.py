@@ -137,7 +137,8 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
             if t.name not in formats:
                 continue
             fmt = formats[t.name]
-            rounding = method if method in fmt.methods() and t.name in stats and method != "awq" else "rtn"
+            # AWQ's scales are already folded in (plain rounding); a tensor without statistics rounds plainly
+            rounding = fmt.method_for("rtn" if method == "awq" or t.name not in stats else method)
             weight = folded[t.name] if t.name in folded else source.read(t.name)
             with quantizers():  # GPTQ works on the calibration's device, under its --gpu-memory
                 stored, effective[t.name] = compress_tensor(t.name, weight, fmt, stats.get(t.name),
