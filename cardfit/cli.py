@@ -384,12 +384,15 @@ def fit_command(
     refine: bool = typer.Option(False, "--refine", help="Re-plan with measured interactions (cardfit refine; "
                                 "about 4x the scan's tokens of whole-recipe passes)."),
     device: str = typer.Option("auto", callback=_device, help=DEVICE_HELP),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="[ADDRESS]",
+                                      help="Run the scan's group sweeps on a Ray cluster (as scan --ray)."),
+    workers: Optional[int] = typer.Option(None, help="With --ray: sweeps at a time."),
 ):
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit
 
     fit(model, vram, context, batch, kv_dtype, format, out, formats, calibration, max_tokens, method=method,
-        full_check=full_check, device=device, log=typer.echo, refine=refine)
+        full_check=full_check, device=device, log=typer.echo, refine=refine, ray=ray, workers=workers)
 
 
 @app.command("compare")

@@ -60,8 +60,10 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         kv_dtype: str = "f16", format: str = "gguf", out: str | Path = "cardfit-out", formats: str | None = None,
         calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
         full_check: bool = False, check_tokens: int = 2048, device: str = "auto", progress: bool = True,
-        log=print, refine: bool = False, refine_tokens: int | None = None) -> dict:
-    """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary."""
+        log=print, refine: bool = False, refine_tokens: int | None = None, ray: str | None = None,
+        workers: int | None = None) -> dict:
+    """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary.
+    With `ray`, the scan's group sweeps run on that Ray cluster (cluster.py); the rest stays here."""
     from .budget import budget as compute_budget
     from .budget import render_budget
     from .pack import pack, reserve_bytes, render_pack
@@ -73,6 +75,12 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     from .sources import open_model, runnable
     from .targets import all_targets, for_artifact
 
+    if ray is None and workers is not None:
+        raise CardfitError("--workers spreads the scan over Ray", "add --ray (local, auto or ADDRESS)")
+    if ray is not None:  # refused before anything is written, as scan refuses it
+        from .cluster import check
+
+        check(ray, None)
     target = for_artifact(format)
     runtime = target.name
     if vram is None:
@@ -100,7 +108,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     map_path = out / "sensitivity.json"
     sensitivity = scan(model, calibration, max_tokens, formats, "layer", map_path,
                        resume=True, device=device, seq_len=seq_len, progress=progress,
-                       log=(lambda line: _say(log, line)) if log else None)
+                       log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers)
     for warning in sensitivity["warnings"]:
         _say(log, f"warning: {warning}")
     plot_sensitivity(sensitivity, out / "sensitivity.png")

@@ -180,3 +180,16 @@ def test_projection_schedules_longest_first():
     # longest first on two workers: {8, 5, 4} and {7, 6} -> 17 and 13
     assert guess.on_workers(2) == 10.0 + 17.0
     assert guess.on_workers(10) == 10.0 + 8.0  # never below the longest sweep
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ray", "127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1"),
+    (["--workers", "2"], "add --ray"),
+])
+def test_fit_refuses_ray_options_before_writing(tmp_path, args, says):
+    out = tmp_path / "run"
+    run = _cli("fit", "--out", str(out), *args)
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 2
+    assert says in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists()
