@@ -1,20 +1,20 @@
-"""The scan spread over a Ray cluster: one reference pass, then each group's sweep as a Ray task.
+"""The scan spread over a Ray cluster: one reference pass, then each group sweep as a Ray task.
 
 Once the reference pass has cached every group's input (the hidden states entering its first
-layer) and the reference's log-probabilities, the sweeps of different groups are independent: a
-worker needs the model (read from the same path on every node), those inputs, the final hidden
-states and the reference, and runs `scan.measure_group` — the very function the single-process
-scan runs, so a cell is the same bits wherever it was measured. The reference pass is a task too
-(on a GPU node when the cluster has GPUs); its outputs travel through Ray's object store (one
-object per boundary, fetched once per node), or through `--shared-dir`, a directory every node
-mounts, for activations too large for the store.
+layer) and the reference's log-probabilities, the sweeps are independent: a worker needs the model
+(read from the same path on every node), those inputs, the final hidden states and the reference,
+and runs `scan.measure_group` — the very function the single-process scan runs, so a cell is the
+same bits wherever it was measured. The reference pass is a task too (on a GPU node when the
+cluster has GPUs); its outputs travel through Ray's object store (one object per boundary, fetched
+once per node), or through `--shared-dir`, a directory every node mounts, as safetensors.
 
-Sweeps are submitted longest first (a group at layer i re-runs L - i layers; the embedding all L),
-at most `workers` in flight, each with its resources (one GPU where the cluster has GPUs, else an
-equal share of the CPUs; `memory` for what it holds). One coordinator — this process — writes the
-map after every finished sweep, cells in canonical order, so the map is byte-identical to a
-single-process scan and `--resume` works across both. A worker that dies (SIGKILL, the OOM
-killer) takes no finished cell with it: Ray retries its task elsewhere (`RETRIES` times).
+One task per sweep (the formats of a group whose quantized copies fit together), longest first (a
+group at layer i re-runs L - i layers; the embedding all L), at most `workers` in flight, each with
+its resources (one GPU where the cluster has GPUs, else a share of one node's CPUs; `memory` for
+what it holds). One coordinator — this process — writes the map after every finished sweep, cells
+in canonical order, so the map is byte-identical to a single-process scan and `--resume` works
+across both. A worker that dies (SIGKILL, the OOM killer) costs at most its running sweep: Ray
+retries the task elsewhere (`RETRIES` times). docs/cluster.md has the commands and the cost model.
 
 Ray is an optional extra (`pip install -e '.[ray]'`); nothing else in cardfit imports it.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import uuid
@@ -85,9 +86,13 @@ def ray_module():
     return ray
 
 
-def check(address: str | None, shared_dir: str | None) -> None:
-    """What can be refused before any work: Ray missing, a malformed or silent address, no shared dir."""
+def check(address: str | None, shared_dir: str | None, device: str = "auto") -> None:
+    """What can be refused before any work: Ray missing, a malformed or silent address, no shared dir,
+    a device naming one GPU of this host."""
     ray_module()
+    if str(device).strip().lower().startswith("cuda:"):
+        raise CardfitError(f"--device {device} names one GPU of this host, but on Ray each task gets its own",
+                           "use --device auto (or cuda) with --ray")
     if shared_dir is not None and not Path(shared_dir).is_dir():
         raise CardfitError(f"--shared-dir {shared_dir} is not a directory",
                            "create it on a volume every Ray node mounts at the same path")
@@ -105,21 +110,31 @@ def check(address: str | None, shared_dir: str | None) -> None:
 
 def connect(address: str | None) -> str:
     """Join the cluster at `address` ('auto': the one this host runs; host:port or ray://host:port), or
-    start a local one (None or 'local'); returns a line saying which."""
+    start a local one (None or 'local'); returns a line saying which. Ray installs its own SIGTERM
+    handler; cardfit's (clean up, exit 143) is put back."""
     ray = ray_module()
     options = dict(logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False)
     spec = (address or "local").strip()
     if ray.is_initialized():
         ray.shutdown()
-    if spec == "local":
-        ray.init(**options)
-        return f"started a local Ray cluster ({_resources_line(ray)})"
-    check(spec, None)
+    if spec != "local":
+        check(spec, None)
+    previous = signal.getsignal(signal.SIGTERM)
     try:
-        ray.init(address=spec, **options)
-    except (ConnectionError, RuntimeError) as exc:
-        raise CardfitError(f"could not join a Ray cluster at '{spec}': {str(exc).splitlines()[0]}",
-                           "start one with `ray start --head`, or use --ray local to start one here") from None
+        ray.init(address=spec, **options)  # "local" starts one even where RAY_ADDRESS is set
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise CardfitError(f"could not {'start' if spec == 'local' else 'join'} a Ray cluster at '{spec}': {first}",
+                           "start one with `ray start --head` and run the scan on one of its nodes (or give "
+                           "ray://HEAD:10001), or use --ray local to start one here") from None
+    finally:
+        if previous is not None:
+            try:
+                signal.signal(signal.SIGTERM, previous)
+            except ValueError:  # not the main thread: Ray set none either
+                pass
+    if spec == "local":
+        return f"started a local Ray cluster ({_resources_line(ray)})"
     return f"joined the Ray cluster at {spec} ({_resources_line(ray)})"
 
 
@@ -144,30 +159,49 @@ def _resources_line(ray) -> str:
 @dataclass
 class Placement:
     workers: int  # sweeps in flight
-    options: dict  # Ray resources of each sweep task
-    threads: int  # torch threads in a CPU task
+    sweep: dict  # Ray resources of each sweep task
+    reference: dict  # and of the reference pass
+    threads: int  # torch threads of a sweep task
+    reference_threads: int
+    device: str  # what the workers compute on: "cuda" (the GPU Ray gave the task) or "cpu"
+    max_calls: int  # tasks per worker process: 1 on GPUs (torch keeps the first GPU it used)
 
 
-def placement(ray, workers: int | None, device: str, task_memory: int) -> Placement:
+def placement(ray, workers: int | None, device: str, sweep_memory: int, reference_memory: int) -> Placement:
     """One GPU per task where the cluster has GPUs (and --device allows), else an equal share of the
-    CPUs; refused up front when no node could ever hold a task (Ray would wait for it forever)."""
-    total = ray.cluster_resources()
-    gpus = int(total.get("GPU", 0)) if not device.startswith("cpu") else 0
-    if device.startswith("cuda") and not gpus:
+    CPUs, never more than one node has; the reference pass, which every sweep waits for, takes a whole
+    node's CPUs. Refused up front when no single node could hold a task with all it asks for: Ray
+    would otherwise wait for it forever, silently."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    gpu_nodes = [r for r in nodes if r.get("GPU", 0) >= 1] if not device.startswith("cpu") else []
+    if device.startswith("cuda") and not gpu_nodes:
         raise CardfitError(f"--device {device} but the Ray cluster has no GPUs", "use --device auto or cpu")
-    cpus = int(total.get("CPU", 0))
-    if cpus < 1:
+    cpu_nodes = [r for r in nodes if r.get("CPU", 0) >= 1]
+    if not cpu_nodes:
         raise CardfitError("the Ray cluster offers no CPUs", "start its nodes with --num-cpus 1 or more")
-    slots = gpus if gpus else cpus
-    workers = min(workers or slots, slots)
-    per_node = [n.get("Resources", {}).get("memory", 0) for n in ray.nodes() if n.get("Alive")]
-    if per_node and task_memory > max(per_node):
-        raise CardfitError(f"one sweep needs about {task_memory / 2**30:.1f} GiB and no Ray node offers that much",
-                           "add a node with more memory, or lower --max-tokens or --batch")
-    threads = 1 if gpus else max(1, cpus // workers)
-    options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": threads}
-    options["memory"] = task_memory
-    return Placement(workers, options, threads)
+    if gpu_nodes:
+        slots = sum(int(r["GPU"]) for r in gpu_nodes)
+        workers = min(workers or slots, slots)
+        sweep = reference = {"num_gpus": 1, "num_cpus": 1}
+        threads = reference_threads = 1
+    else:
+        slots = sum(int(r["CPU"]) for r in cpu_nodes)
+        widest = max(int(r["CPU"]) for r in cpu_nodes)
+        workers = min(workers or slots, slots)
+        threads = max(1, min(slots // workers, widest))
+        reference_threads = widest
+        sweep, reference = {"num_cpus": threads}, {"num_cpus": widest}
+    sweep = {**sweep, "memory": sweep_memory}
+    reference = {**reference, "memory": reference_memory}
+    for what, wants in (("one sweep", sweep), ("the reference pass", reference)):
+        if not any(r.get("CPU", 0) >= wants["num_cpus"] and r.get("GPU", 0) >= wants.get("num_gpus", 0)
+                   and r.get("memory", 0) >= wants["memory"] for r in nodes):
+            gpu = " and a GPU" if wants.get("num_gpus") else ""
+            raise CardfitError(f"{what} needs {wants['num_cpus']} CPU(s){gpu} and {wants['memory'] / 2**30:.1f} GiB "
+                               "on one node, and no Ray node offers that",
+                               "add a node with more memory, or lower --max-tokens or --batch")
+    return Placement(workers, sweep, reference, threads, reference_threads, "cuda" if gpu_nodes else "cpu",
+                     1 if gpu_nodes else 0)
 
 
 # -- the tasks -------------------------------------------------------------------------------------------
@@ -280,51 +314,70 @@ def task_memory(source, chunks: torch.Tensor, limit: int, keep_reference: bool) 
     return int(2 * hidden + reference + limit + 2 * layer + 2 * head + 512 * 2**20)
 
 
+def reference_task_memory(source, chunks: torch.Tensor, keep_reference: bool) -> int:
+    """Bytes the reference pass holds at its peak: every boundary (L + 1 of them) and the reference
+    log-probabilities, each twice while Ray serializes them, two float32 layers and the head."""
+    from .groups import GroupId
+
+    g = source.geometry
+    boundaries = (g.num_layers + 1) * chunks.numel() * g.hidden_size * 4
+    reference = chunks.numel() * g.vocab_size * 4 if keep_reference else 0
+    layer = sum(t.numel for t in source.groups()[GroupId.layer_group(0)]) * 4
+    head = g.vocab_size * g.hidden_size * 4
+    return int(2 * (boundaries + reference) + 2 * layer + 2 * head + 512 * 2**20)
+
+
 def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None, *, source, groups, todo,
                 result: dict, out: Path, fmts, chunks: torch.Tensor, batch: int, rounding: str, group_by: str,
                 device: str, dtype: str, gpu_memory: int | None, memory_cap: int | None, limit: int,
                 keep_reference: bool, bar=None, log=None, estimate=None) -> dict:
     """Measure `todo` on a Ray cluster and write the map as the single-process scan would."""
-    from .scan import finish, pending_by_group
+    from .scan import finish, format_batches, pending_by_group
 
     ray = ray_module()
     check(address, shared_dir)
     said = connect(address)
     job_dir = None
+    refs: list = []
+    running: dict = {}
     try:
-        where = placement(ray, workers, device, task_memory(source, chunks, limit, keep_reference))
+        where = placement(ray, workers, device, task_memory(source, chunks, limit, keep_reference),
+                          reference_task_memory(source, chunks, keep_reference))
         if log:
             log(f"{said}; {where.workers} sweep{'s' * (where.workers != 1)} at a time, each "
-                + ("on one GPU" if where.options.get("num_gpus") else f"on {where.threads} CPU thread(s)"))
-            if estimate is not None and not where.options.get("num_gpus"):
+                + ("on one GPU" if where.device == "cuda" else f"on {where.threads} CPU thread(s)"))
+            if estimate is not None and where.device == "cpu":
                 log(estimate.render_workers(where.workers))
         if shared_dir:
-            job_dir = Path(shared_dir) / f"cardfit-scan-{uuid.uuid4().hex[:12]}"
+            job_dir = Path(shared_dir).resolve() / f"cardfit-scan-{uuid.uuid4().hex[:12]}"
             job_dir.mkdir()
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        job = ScanJob(str(source.path), group_by, rounding, chunks.numpy().copy(), batch, device, dtype, gpu_memory,
-                      memory_cap, limit, str(job_dir) if job_dir else None, env)
-        options = {**where.options, "max_retries": RETRIES, "retry_exceptions": False,
-                   "runtime_env": {"env_vars": env}}
+        job = ScanJob(str(Path(source.path).resolve()), group_by, rounding, chunks.numpy().copy(), batch,
+                      where.device, dtype, gpu_memory, memory_cap, limit, str(job_dir) if job_dir else None, env)
+        common = {"max_retries": RETRIES, "retry_exceptions": False, "runtime_env": {"env_vars": env}}
         layers = source.geometry.num_layers
-        remote_reference = ray.remote(_reference_task).options(num_returns=layers + 3, **options)
-        refs = remote_reference.remote(job, where.threads, layers)
+        remote_reference = ray.remote(max_calls=where.max_calls)(_reference_task).options(
+            num_returns=layers + 3, **where.reference, **common)
+        refs = remote_reference.remote(job, where.reference_threads, layers)
         perplexity = _get(ray, refs[0], "the reference pass")
         result["reference"] = {"perplexity": round(perplexity, 6)}
         point_refs, reference_ref = refs[1:layers + 2], refs[layers + 2]
-        pending = pending_by_group(todo)
-        # longest first: a group at layer i re-runs L - i layers; the embedding (start -1) all of them
-        order = sorted(pending, key=lambda i: max(groups[i].start, 0))
-        sweep = ray.remote(_sweep_task).options(**options)
-        running: dict = {}
+        # one task per sweep (the formats of a group whose copies fit `limit` together), so a worker that
+        # dies takes at most one sweep's cells with it, as a killed single-process scan does; longest
+        # first: a group at layer i re-runs L - i layers, the embedding (start -1) all of them
+        tasks = [(i, batch_formats) for i, pending in pending_by_group(todo).items()
+                 for batch_formats in format_batches(groups[i], pending, limit)]
+        tasks.sort(key=lambda task: max(groups[task[0]].start, 0))
+        sweep = ray.remote(max_calls=where.max_calls)(_sweep_task).options(**where.sweep, **common)
         sweeps = reads = 0
         hosts = set()
-        while order or running:
-            while order and len(running) < where.workers:
-                i = order.pop(0)
-                ref = sweep.remote(job, where.threads, i, [f.name for f in pending[i]], point_refs, [reference_ref])
+        while tasks or running:
+            while tasks and len(running) < where.workers:
+                i, batch_formats = tasks.pop(0)
+                ref = sweep.remote(job, where.threads, i, [f.name for f in batch_formats], point_refs,
+                                   [reference_ref])
                 running[ref] = i
-            done, _ = ray.wait(list(running), num_returns=1)
+            done, _ = _interruptible(lambda: ray.wait(list(running), num_returns=1))
             i = running.pop(done[0])
             answer = _get(ray, done[0], f"group {groups[i].name}")
             entry = result["groups"][i]
@@ -340,25 +393,52 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
                 f"plus {layers} for the reference pass")
         return finish(result, out)
     finally:
-        if 'running' in locals():
-            for ref in running:
+        for ref in [*running, *refs[:1]]:
+            try:
                 ray.cancel(ref, force=True)
-        if job_dir is not None:
-            shutil.rmtree(job_dir, ignore_errors=True)
-        ray.shutdown()
+            except Exception:  # already finished or gone: nothing to stop
+                pass
+        try:
+            ray.shutdown()
+        finally:
+            if job_dir is not None:
+                shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def _interruptible(call):
+    """A blocking Ray call; a SIGTERM or Ctrl-C that lands inside Ray's C code arrives as a SystemError
+    caused by cardfit's Terminated or KeyboardInterrupt: re-raised as itself, so the clean-up runs."""
+    try:
+        return call()
+    except SystemError as exc:
+        inner = exc.__cause__ or exc.__context__
+        if isinstance(inner, BaseException) and not isinstance(inner, Exception):
+            raise inner from None
+        raise
 
 
 def _get(ray, ref, what: str):
-    """A task's result; a user error raised on a worker comes back as that error, a worker that died
-    more often than Ray retries as one line."""
+    """A task's result. A user error raised on a worker comes back as that error, a file problem there
+    as its one line; a worker that died more often than Ray retries, or any other failure of Ray, as one
+    line saying that finished cells are kept."""
     try:
-        return ray.get(ref)
+        return _interruptible(lambda: ray.get(ref))
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, CardfitError):
             raise cause from None
+        if isinstance(cause, OSError):
+            where = f" ({cause.filename})" if cause.filename else ""
+            raise CardfitError(f"a Ray worker measuring {what} could not read or write a file{where}: "
+                               f"{cause.strerror or type(cause).__name__}",
+                               "every node must see the model, CARDFIT_CACHE and --shared-dir at the same "
+                               "paths; then rerun with --resume (finished cells are kept)") from None
         raise
     except (ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError) as exc:
         raise CardfitError(f"the Ray worker measuring {what} died {RETRIES + 1} times ({type(exc).__name__})",
                            "give the nodes more memory or lower --max-tokens, then rerun with --resume "
                            "(finished cells are kept)") from None
+    except ray.exceptions.RayError as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CardfitError(f"Ray failed while measuring {what}: {type(exc).__name__}: {first}",
+                           "rerun with --resume (finished cells are kept)") from None

@@ -80,7 +80,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     if ray is not None:  # refused before anything is written, as scan refuses it
         from .cluster import check
 
-        check(ray, None)
+        check(ray, None, device)
     target = for_artifact(format)
     runtime = target.name
     if vram is None:

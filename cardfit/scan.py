@@ -305,7 +305,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     if ray is not None:
         from .cluster import check
 
-        check(ray, None if shared_dir is None else str(shared_dir))
+        check(ray, None if shared_dir is None else str(shared_dir), device)
     if max_tokens <= 0 or seq_len <= 1 or batch <= 0:
         raise CardfitError("--max-tokens, --seq-len and --batch must be positive",
                            "e.g. --max-tokens 8192 --seq-len 512 --batch 4")
@@ -387,6 +387,8 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         keep_reference = scanner.keep_reference
         cache.close()
         engine.close()
+        if torch.cuda.is_available():  # what the estimate held on this GPU goes back to the workers
+            torch.cuda.empty_cache()
         bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
         try:
             return scan_on_ray(ray, workers, None if shared_dir is None else str(shared_dir), source=source,
