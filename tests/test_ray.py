@@ -83,8 +83,11 @@ def cluster():
             except subprocess.TimeoutExpired:
                 os.killpg(node.pid, signal.SIGKILL)
         for proc in psutil.process_iter(["cmdline"]):  # nothing of this cluster may outlive the tests
-            if any(temp in part for part in proc.info["cmdline"] or []):
-                proc.kill()
+            try:
+                if any(part.startswith(temp) or f"={temp}" in part for part in proc.info["cmdline"] or []):
+                    proc.kill()
+            except psutil.Error:
+                pass
         shutil.rmtree(temp, ignore_errors=True)
 
 
