@@ -332,7 +332,7 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
                 device: str, dtype: str, gpu_memory: int | None, memory_cap: int | None, limit: int,
                 keep_reference: bool, bar=None, log=None, estimate=None) -> dict:
     """Measure `todo` on a Ray cluster and write the map as the single-process scan would."""
-    from .scan import finish, format_batches, pending_by_group
+    from .scan import finish, format_batches, in_map_order, pending_by_group
 
     ray = ray_module()
     check(address, shared_dir)
@@ -382,7 +382,7 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
             answer = _get(ray, done[0], f"group {groups[i].name}")
             entry = result["groups"][i]
             entry["cells"].update(answer["cells"])
-            entry["cells"] = {f.name: entry["cells"][f.name] for f in fmts if f.name in entry["cells"]}
+            entry["cells"] = in_map_order(entry["cells"], fmts)
             write_json(out, result)
             sweeps, reads = sweeps + answer["sweeps"], reads + answer["layer_reads"]
             hosts.add((answer["host"], answer["pid"]))

@@ -416,7 +416,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
 
             cells = measure_group(scanner, groups[i], pending, limit, sweep_done, bar)
             sweeps += cells.sweeps
-            entry["cells"] = {f.name: entry["cells"][f.name] for f in fmts if f.name in entry["cells"]}
+            entry["cells"] = in_map_order(entry["cells"], fmts)
     finally:
         cache.close()
         engine.close()
@@ -425,6 +425,12 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     if log:
         log(f"read decoder layers {engine.layer_loads()} times ({engine.layers} layers, {sweeps} group sweeps)")
     return finish(result, out)
+
+
+def in_map_order(cells: dict, formats: list[Format]) -> dict:
+    """A group's cells in the map's format order, whatever order they were measured in: what makes a
+    resumed or distributed scan the same bytes as an uninterrupted one."""
+    return {f.name: cells[f.name] for f in formats if f.name in cells}
 
 
 class GroupCells(dict):
