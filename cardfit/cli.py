@@ -137,8 +137,10 @@ def scan_command(
     rounding: str = typer.Option("rtn", help="Rounding each cell uses: rtn, imatrix, gptq, awq."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration chunk."),
     batch: int = typer.Option(4, min=1, help="Chunks per forward."),
-    method: str = typer.Option("exact", help="exact (measured KL, streamed) or fast (diagonal-Fisher estimate, "
-                                             "whole model resident)."),
+    method: str = typer.Option("exact", help="exact (measured KL, streamed), weight (imatrix-weighted weight "
+                                             "error, one layer walk, seconds to minutes), adaptive (weight "
+                                             "signal, measured exactly where the plan at --weight-budget is "
+                                             "decided) or fast (diagonal-Fisher estimate, whole model resident)."),
     dtype: str = typer.Option("auto", callback=_dtype, help=DTYPE_HELP),
     gpu_memory: Optional[str] = typer.Option(None, help="Device memory the scan may hold (CUDA; default 90% of "
                                                          "what is free): layers that fit stay resident."),
@@ -152,6 +154,8 @@ def scan_command(
                                                       "else one per CPU of the cluster)."),
     shared_dir: Optional[str] = typer.Option(None, help="With --ray: a directory every node mounts at this path, "
                                                          "for boundary activations (default: Ray's object store)."),
+    weight_budget: Optional[str] = typer.Option(None, help="With --method adaptive: the budgets (plan's "
+                                                           "--weight-budget, comma-separated) whose plans it decides."),
 ):
     """Damage of every layer group at every format: the sensitivity map."""
     from .scan import scan
@@ -159,9 +163,11 @@ def scan_command(
 
     cap = parse_bytes(memory_cap, "--memory-cap") if memory_cap else None
     gpu = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
+    budgets = [parse_bytes(b, "--weight-budget") for b in weight_budget.split(",")] if weight_budget else None
     result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding, seq_len,
                   batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
-                  log=typer.echo, estimate=estimate, ray=ray, workers=workers, shared_dir=shared_dir)
+                  log=typer.echo, estimate=estimate, ray=ray, workers=workers, shared_dir=shared_dir,
+                  weight_budgets=budgets)
     if estimate:
         if result["estimate"] is None:
             typer.echo(f"{out} is complete: nothing to measure")
@@ -356,7 +362,14 @@ def check_command(
     if recipe is not None:
         from .recipes import read_recipe
 
-        predicted = read_recipe(recipe)["predicted_damage"]
+        from .schemas import KL_METRIC
+
+        planned = read_recipe(recipe)
+        metric = planned["map"].get("damage", {}).get("metric", KL_METRIC)  # older recipes: always KL
+        if metric == KL_METRIC:
+            predicted = planned["predicted_damage"]
+        else:
+            typer.echo(f"the recipe was planned on another signal ({metric}): no predicted KLD to compare")
     report = check(artifact, None if smoke else (reference or "default"), text, max_tokens, seq_len, ceiling,
                    min_top1, max_kld, predicted, smoke=smoke, device=device, runtime=_runtime(runtime))
     typer.echo(render_check(report))

@@ -244,7 +244,7 @@ def plan(map_path: str | Path | dict, weight_budget: int, formats: list[str] | N
     return {
         "cardfit_recipe": RECIPE_VERSION,
         "map": {"sha256": map_hash(data), "model": data["model"], "calibration": data["calibration"],
-                "rounding": data["rounding"]},
+                "rounding": data["rounding"], "damage": data["damage"]},
         "runtime": data.get("runtime"),
         "served_by": problem.runtime,
         "constraints": {"formats": list(formats) if formats else None, "pins": dict(pins or {}),

@@ -34,10 +34,11 @@ from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
 from .heap import map_large_blocks, return_freed_memory
 from .metrics import DistanceMeter, kl_from_logprobs, target_nll
-from .schemas import MAP_VERSION, model_header
+from .schemas import KL_METRIC, MAP_VERSION, model_header
 from .groups import EMBED, LM_HEAD, NORM, GroupId
 from .sources import ModelSource, open_model, runnable
 from .text import load_text, text_hash, token_chunks
+from .weight_signal import METRIC as WEIGHT_METRIC
 
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
 LOGIT_POSITIONS = 64  # positions per logits slice in scan: 64 x vocab float32 (12 MiB at 49k tokens)
@@ -75,7 +76,10 @@ def scan_groups(source: ModelSource, group_by: str) -> list[Group]:
     return out
 
 
-METHODS = {"exact": "exact", "fast": "fast (diagonal Fisher of sampled tokens, 1/2 dw^T F dw)"}
+METHODS = {"exact": "exact", "fast": "fast (diagonal Fisher of sampled tokens, 1/2 dw^T F dw)",
+           "weight": "weight (imatrix-weighted squared weight error; no forward pass per cell)",
+           "adaptive": "adaptive (weight signal scaled to KL per group; measured where the plan at the budgets "
+                       "is decided)"}
 
 
 def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Tensor, formats: list[Format],
@@ -89,7 +93,7 @@ def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Te
         "model": model_header(source),
         "calibration": {"sha256": text_hash(text), "source": text_path.name, "tokens": int(chunks.numel()),
                         "seq_len": int(chunks.shape[1]), "chunks": int(chunks.shape[0])},
-        "damage": {"metric": "mean KL(P_ref || P_q), nats per token", "method": METHODS[method]},
+        "damage": {"metric": WEIGHT_METRIC if method == "weight" else KL_METRIC, "method": METHODS[method]},
         "rounding": rounding,
         "group_by": group_by,
         "runtime": runtimes.pop(),
@@ -278,26 +282,32 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
          memory_cap: int | None = None, rounding: str = "rtn", seq_len: int = 512, batch: int = 4,
          progress: bool = True, method: str = "exact", dtype: str = "auto", gpu_memory: int | None = None,
          log=None, estimate: bool = False, ray: str | None = None, workers: int | None = None,
-         shared_dir: str | Path | None = None) -> dict:
+         shared_dir: str | Path | None = None, weight_budgets: list[int] | None = None) -> dict:
     """Measure the damage of every group at every format; returns the map (also written to `out`).
 
     With `estimate`, measures nothing and writes nothing: returns {"estimate": ...}, the counts and the
     time the scan would take (estimate.py). With `log`, that estimate is also shown before a scan.
     With `ray` ('local', 'auto' or a cluster's address) the group sweeps run as Ray tasks (cluster.py),
-    at most `workers` at a time; the map is the same bytes."""
+    at most `workers` at a time; the map is the same bytes. `method='adaptive'` measures exactly only the
+    cells that decide the plans at `weight_budgets` (plan's --weight-budget) and estimates the rest."""
     from transformers import AutoTokenizer
 
     from .paths import guard_output, input_paths, model_paths
     from .engine import Engine
 
     if method not in METHODS:
-        raise CardfitError(f"unknown --method '{method}'", "use --method exact or --method fast")
+        raise CardfitError(f"unknown --method '{method}'", "use --method " + ", ".join(METHODS))
     if method == "fast" and rounding != "rtn":
         raise CardfitError("the fast estimator prices RTN rounding only", "use --rounding rtn with --method fast")
     if rounding not in ROUNDINGS:
         raise CardfitError(f"unknown rounding '{rounding}'", "use " + ", ".join(ROUNDINGS))
     if ray is None and (workers is not None or shared_dir is not None):
         raise CardfitError("--workers and --shared-dir spread a scan over Ray", "add --ray (local, auto or ADDRESS)")
+    if (method == "adaptive") != bool(weight_budgets):
+        raise CardfitError("--method adaptive measures the cells that decide the plan at given budgets",
+                           "use --method adaptive with --weight-budget SIZE[,SIZE...], or neither")
+    if estimate and method in ("fast", "weight", "adaptive"):
+        raise CardfitError("--estimate prices the exact scan", "drop --estimate, or use --method exact")
     if ray is not None and method != "exact":
         raise CardfitError("--ray spreads the exact scan's group sweeps", "drop --ray, or use --method exact")
     if workers is not None and workers < 1:
@@ -347,12 +357,16 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         result["warnings"] = []
     todo = [(i, g, f) for i, g in enumerate(groups) for f in fmts
             if f.name not in result["groups"][i]["cells"]]
+    if method == "adaptive":
+        return _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory,
+                               memory_cap, batch, weight_budgets, progress, log)
     if not todo and result.get("complete"):
         return {"estimate": None} if estimate else result  # a finished map of this very job: nothing to measure
     if method == "fast":
-        if estimate:
-            raise CardfitError("--estimate prices the exact scan", "drop --estimate, or use --method exact")
         return _fast_cells(source, chunks, groups, todo, result, out, str(resolve_device(device)[0]), batch)
+    if method == "weight":
+        return _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype,
+                             gpu_memory, progress)
     map_large_blocks()
     engine = Engine(source, device, dtype, gpu_memory, log=log)
     budget = None if memory_cap is None else memory_cap // 2
@@ -507,6 +521,98 @@ def _fast_cells(source, chunks, groups, todo, result, out, device, batch) -> dic
             weight = source.read(t.name)
             damage += predicted_kl(fisher[t.name], weight, fmt.roundtrip(t.name, weight, None, "rtn"))
         result["groups"][i]["cells"][fmt.name] = {"damage": damage, "stderr": None, "top1": None}
+    result["separable_fraction"] = None
+    result["complete"] = True
+    write_json(out, result)
+    return result
+
+
+def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype, gpu_memory,
+                  progress) -> dict:
+    """Every cell from the weight signal (weight_signal.py), one layer walk; the map is written after each
+    group as the exact scan's is, so an interrupted run resumes."""
+    from .weight_signal import weight_cells
+
+    bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
+
+    def done(index: int, priced: dict) -> None:
+        cells = result["groups"][index]["cells"]
+        cells.update({name: {"damage": damage, "stderr": None, "top1": None, "method": "weight"}
+                      for name, damage in priced.items()})
+        result["groups"][index]["cells"] = in_map_order(cells, fmts)
+        write_json(out, result)
+        if bar:
+            bar.update(len(priced))
+
+    try:
+        weight_cells(source, chunks, groups, todo, rounding, device, batch, dtype, gpu_memory, done=done)
+    finally:
+        if bar:
+            bar.close()
+    result["separable_fraction"] = None
+    result["complete"] = True
+    write_json(out, result)
+    return result
+
+
+def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory, memory_cap,
+                    batch, weight_budgets, progress, log) -> dict:
+    """The adaptive scan (adaptive.py): every cell's weight signal, then exact cells where the plans at
+    the budgets are decided, the map written after every group; a resumed run keeps both."""
+    from .adaptive import adaptive_rounds, check_budgets
+    from .engine import Engine
+    from .pack import reserve_bytes
+    from .weight_signal import weight_cells
+
+    budgets = sorted(set(weight_budgets), reverse=True)
+    if result.get("complete") and result.get("adaptive", {}).get("weight_budgets") == budgets:
+        return result
+    reserve = reserve_bytes(source, result["runtime"])
+    check_budgets(result, budgets, reserve)
+    result["adaptive"] = {"weight_budgets": budgets}
+    result["complete"] = False
+    unsigned = [(i, g, f) for i, g in enumerate(groups) for f in fmts
+                if "signal" not in result["groups"][i]["cells"].get(f.name, {})]
+    if unsigned:
+        def signed(index: int, priced: dict) -> None:
+            cells = result["groups"][index]["cells"]
+            for name, signal in priced.items():
+                cells[name] = ({**cells[name], "signal": signal} if name in cells else
+                               {"damage": signal, "stderr": None, "top1": None, "method": "estimate", "signal": signal})
+            result["groups"][index]["cells"] = in_map_order(cells, fmts)
+            write_json(out, result)
+
+        if log:
+            log(f"pricing {len(unsigned)} cells by their weight signal")
+        weight_cells(source, chunks, groups, unsigned, rounding, device, batch, dtype, gpu_memory, done=signed)
+    map_large_blocks()
+    engine = Engine(source, device, dtype, gpu_memory, log=log)
+    cache = ActivationCache(None if memory_cap is None else memory_cap // 2, spill_dir=out.parent)
+    scanner = Scanner(source, engine, chunks, batch, cache, rounding)
+    limit = max(copy_bytes(g) for g in groups)
+    by_name = {f.name: f for f in fmts}
+    reference = None
+
+    def measure(index: int, names: list[str]) -> None:
+        nonlocal reference
+        if reference is None:
+            reference = scanner.reference()
+            result["reference"] = {"perplexity": round(reference.perplexity, 6)}
+            return_freed_memory()
+        entry = result["groups"][index]
+        for name, cell in measure_group(scanner, groups[index], [by_name[n] for n in names], limit).items():
+            entry["cells"][name] = {**cell, "signal": entry["cells"][name]["signal"]}
+        write_json(out, result)
+
+    try:
+        rounds = adaptive_rounds(result, [b - reserve for b in budgets], measure, log)
+    finally:
+        cache.close()
+        engine.close()
+    exact = sum(c.get("method") is None for g in result["groups"] for c in g["cells"].values())
+    result["adaptive"].update({"rounds": rounds, "exact_cells": exact})
+    if log:
+        log(f"adaptive: {exact} of {len(groups) * len(fmts)} cells measured exactly in {rounds} rounds")
     result["separable_fraction"] = None
     result["complete"] = True
     write_json(out, result)

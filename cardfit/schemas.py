@@ -22,6 +22,10 @@ RECIPE_VERSION = 1
 MAX_BYTES = 2 ** 53
 # Mean KL in nats per token: a destroyed model measures tens; beyond this it is not a measurement.
 MAX_DAMAGE = 1e4
+KL_METRIC = "mean KL(P_ref || P_q), nats per token"
+# Any damage in any map's metric (the weight signal's squared activations run to 1e5 and more): finite
+# and non-negative is all a cell or recipe can be held to before its map's metric is known.
+MAX_SIGNAL = 1e30
 
 ByteCount = Annotated[StrictInt, Field(ge=0, le=MAX_BYTES)]
 Positive = Annotated[StrictInt, Field(ge=1, le=MAX_BYTES)]
@@ -75,12 +79,12 @@ class Cell(_Record):
     def _damage(cls, v):
         if v is None:
             raise ValueError("damage is missing")
-        return _finite(v, 0.0, MAX_DAMAGE, "damage")
+        return _finite(v, 0.0, MAX_SIGNAL, "damage")
 
     @field_validator("stderr", mode="before")
     @classmethod
     def _stderr(cls, v):
-        return _finite(v, 0.0, MAX_DAMAGE, "stderr")
+        return _finite(v, 0.0, MAX_SIGNAL, "stderr")
 
     @field_validator("top1", mode="before")
     @classmethod
@@ -130,9 +134,12 @@ class SensitivityMap(_Record):
             for f in self.formats:
                 if f not in g.bytes:
                     raise ValueError(f"group {g.name} has no bytes for {f}")
-            for f in g.cells:
+            for f, cell in g.cells.items():
                 if f not in self.formats:
                     raise ValueError(f"group {g.name} has a cell for unknown format {f!r}")
+                if self.damage.metric == KL_METRIC and cell.damage > MAX_DAMAGE:
+                    raise ValueError(f"group {g.name}'s {f} damage {cell.damage!r} is outside [0, {MAX_DAMAGE:g}] "
+                                     "nats: not a KL measurement")
         return self
 
 
@@ -147,7 +154,7 @@ class RecipeGroup(_Record):
     @field_validator("damage", mode="before")
     @classmethod
     def _damage(cls, v):
-        return _finite(v, 0.0, MAX_DAMAGE, "damage")
+        return _finite(v, 0.0, MAX_SIGNAL, "damage")
 
 
 class MapReference(_Record):
@@ -183,7 +190,7 @@ class Recipe(_Record):
     @field_validator("predicted_damage", mode="before")
     @classmethod
     def _predicted(cls, v):
-        return _finite(v, 0.0, MAX_DAMAGE * 1e6, "predicted_damage")
+        return _finite(v, 0.0, MAX_SIGNAL, "predicted_damage")
 
     @model_validator(mode="after")
     def _consistent(self):

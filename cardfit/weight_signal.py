@@ -1,0 +1,132 @@
+"""The weight-space signal: each matrix's quantization error weighted by what its inputs carry.
+
+For y = W x the output error of a perturbation δW is δW x; its mean square over the calibration
+tokens, keeping only the diagonal of E[x xᵀ], is Σ_j E[x_j²] Σ_i δW_ij²: llama.cpp's importance
+matrix (mean x² per input column) weighting the squared weight error, the quantity ggml's
+quantizers minimize and the one llama.cpp's automatic allocator (`llama-quantize --target-bpw`)
+sums. A cell's damage is that expected squared output error per token, summed over the group's
+matrices. The token embedding is a lookup, so its input is one-hot: a row weighs by how often its
+token occurs in the calibration text (and, when tied, also as the head, by the final norm's mean x²).
+
+Cost: one walk of the calibration tokens through the unquantized model, layer by layer (the
+imatrix collection), plus one quantization per cell; no forward pass per cell. Its units are
+squared activations, not nats: cells rank within one map and plan as they are, but are not KL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import Calibration, Format
+from .groups import EMBED, LM_HEAD
+
+METRIC = "E||dW x||^2 per token (imatrix-weighted squared weight error), summed over the group's matrices"
+
+
+def weighted_error(original: torch.Tensor, quantized: torch.Tensor, column_weight: torch.Tensor | None = None,
+                   row_weight: torch.Tensor | None = None) -> float:
+    """Σ_ij r_i c_j (Q(W) - W)_ij² in float64 sums: c = mean x² per input column (a matmul's imatrix),
+    r = how often each row is looked up (an embedding's token frequencies); absent weights are 1."""
+    delta = quantized.to(torch.float32) - original.to(torch.float32)
+    square = delta * delta
+    if column_weight is not None:
+        square = square * column_weight.to(square.device, torch.float32)
+    per_row = square.sum(1, dtype=torch.float64)
+    if row_weight is not None:
+        per_row = per_row * row_weight.to(per_row.device, torch.float64)
+    return float(per_row.sum())
+
+
+def token_frequencies(chunks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Share of calibration tokens that are each vocabulary entry: the embedding's one-hot E[x_j²]."""
+    counts = torch.bincount(chunks.reshape(-1).to(torch.int64), minlength=vocab)[:vocab]
+    return counts.to(torch.float64) / max(int(chunks.numel()), 1)
+
+
+def weight_cells(source, chunks: torch.Tensor, groups: list, todo: list, rounding: str, device: str, batch: int,
+                 dtype: str = "auto", gpu_memory: int | None = None, done=None) -> dict[tuple[int, str], float]:
+    """(group index, format name) -> the weight signal of every to-do cell, one layer resident at a time.
+    `done(index, {format: damage})` is called as each group's cells are priced."""
+    from .calibrate import LayerCalibration
+    from .scan import pending_by_group
+
+    pending = pending_by_group(todo)
+    rounding_methods = {f.method_for(rounding) for _, _, f in todo} - {"rtn"}
+    walk = LayerCalibration(source, chunks, rounding_methods | {"imatrix"}, device, batch, dtype=dtype,
+                            gpu_memory=gpu_memory)
+    layers = source.geometry.num_layers
+    by_start: dict[int, list[int]] = {}
+    for index in pending:
+        by_start.setdefault(groups[index].start, []).append(index)
+    cells: dict[tuple[int, str], float] = {}
+
+    def price(index: int, statistics) -> None:
+        group = groups[index]
+        priced = {}
+        for fmt in pending[index]:
+            priced[fmt.name] = sum(_tensor_error(source, t, fmt, rounding, statistics) for t in group.quantizable
+                                   if fmt.storage(t.name, t.shape) != "F32")
+            cells[(index, fmt.name)] = priced[fmt.name]
+        if done is not None:
+            done(index, priced)
+
+    edges = sorted(s for s in by_start if s < 0 or s >= layers)
+    tied_embedding = source.tied_embeddings and -1 in by_start
+    needs_head = any(s >= layers for s in edges) or tied_embedding
+    last = max((s for s in by_start if 0 <= s < layers), default=-1)
+    for layer in range(layers):
+        if layer in by_start:
+            stats = _LayerStatistics(walk.statistics(layer))
+            for index in by_start[layer]:
+                price(index, stats)
+        if layer >= last and not needs_head:
+            break
+        walk.advance(layer)  # on to the next pending layer's inputs (or the last hidden state)
+    if edges:
+        head = walk.head_statistics() if needs_head else None
+        embedding = next(t for t in source.tensors() if t.group == EMBED and len(t.shape) == 2)
+        edge = _EdgeStatistics(token_frequencies(chunks, embedding.shape[0]), head, source.tied_embeddings)
+        for start in edges:
+            for index in by_start[start]:
+                price(index, edge)
+    walk.engine.close()
+    return cells
+
+
+class _LayerStatistics:
+    """A decoder layer's matrices: their own calibration statistics, for rounding and weighting alike."""
+
+    def __init__(self, stats: dict[str, Calibration]):
+        self.stats = stats
+
+    def rounding(self, tensor) -> Calibration | None:
+        return self.stats.get(tensor.name)
+
+    def error(self, tensor, weight: torch.Tensor, quantized: torch.Tensor) -> float:
+        return weighted_error(weight, quantized, self.stats[tensor.name].imatrix)
+
+
+class _EdgeStatistics:
+    """The embedding and the head, rounded as the exact scan rounds them (the embedding without
+    statistics, an untied head with the final norm's), weighted by token frequency / the final norm;
+    a tied embedding is also the head, so both weightings add."""
+
+    def __init__(self, frequencies: torch.Tensor, head: Calibration | None, tied: bool):
+        self.frequencies, self.head, self.tied = frequencies, head, tied
+
+    def rounding(self, tensor) -> Calibration | None:
+        return self.head if tensor.group == LM_HEAD else None
+
+    def error(self, tensor, weight: torch.Tensor, quantized: torch.Tensor) -> float:
+        if tensor.group == LM_HEAD:
+            return weighted_error(weight, quantized, self.head.imatrix)
+        error = weighted_error(weight, quantized, row_weight=self.frequencies)
+        if self.tied:
+            error += weighted_error(weight, quantized, self.head.imatrix)
+        return error
+
+
+def _tensor_error(source, tensor, fmt: Format, rounding: str, statistics) -> float:
+    weight = source.read(tensor.name)
+    quantized = fmt.roundtrip(tensor.name, weight, statistics.rounding(tensor), fmt.method_for(rounding))
+    return statistics.error(tensor, weight, quantized)

@@ -1,0 +1,163 @@
+"""The weight signal (scan --method weight): imatrix-weighted squared weight error, one layer walk."""
+
+import json
+
+import pytest
+import torch
+
+from cardfit.formats import get_format
+from cardfit.scan import scan
+from cardfit.weight_signal import token_frequencies, weighted_error
+
+from test_scan import FORMATS, run_scan, small_text
+
+
+def test_weighted_error_is_the_mean_squared_output_error_for_one_hot_inputs():
+    """With inputs along the axes, E||dW x||^2 has no cross terms: the diagonal formula is exact."""
+    torch.manual_seed(0)
+    w, q = torch.randn(6, 5), torch.randn(6, 5)
+    columns = torch.randint(0, 5, (400,))
+    scale = torch.rand(400) * 3
+    x = torch.zeros(400, 5)
+    x[torch.arange(400), columns] = scale
+    direct = float((((q - w) @ x.T) ** 2).sum(0).mean())
+    imatrix = (x * x).mean(0)
+    assert weighted_error(w, q, imatrix) == pytest.approx(direct, rel=1e-5)
+    rows = torch.rand(6)
+    assert weighted_error(w, q, row_weight=rows) == pytest.approx(float((rows[:, None] * (q - w) ** 2).sum()),
+                                                                  rel=1e-6)
+
+
+def test_token_frequencies_are_the_embedding_lookups_second_moment():
+    chunks = torch.tensor([[1, 2, 2], [2, 0, 7]])
+    f = token_frequencies(chunks, 8)
+    assert f.tolist() == [1 / 6, 1 / 6, 3 / 6, 0, 0, 0, 0, 1 / 6]
+
+
+def _layer_inputs(model_dir, chunks, layer):
+    """Each linear's mean x^2 per input column, by transformers' own forward (hooks), not cardfit's walk."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    sums, counts, hooks = {}, {}, []
+    for name, module in model.model.layers[layer].named_modules():
+        if isinstance(module, torch.nn.Linear):
+            full = f"model.layers.{layer}.{name}.weight"
+
+            def hook(mod, args, out, full=full):
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                sums[full] = sums.get(full, 0) + (x * x).sum(0)
+                counts[full] = counts.get(full, 0) + x.shape[0]
+            hooks.append(module.register_forward_hook(hook))
+    with torch.no_grad():
+        model(chunks)
+    return {n: (sums[n] / counts[n]).float() for n in sums}
+
+
+def test_weight_cells_equal_the_slow_way(tiny_models, tmp_path):
+    """A layer's cell = sum over its matrices of imatrix-weighted squared error, the imatrix taken from
+    transformers' own forward of the calibration tokens; the tied embedding adds token frequency and the
+    final norm's weighting; the map records how every cell was priced."""
+    from transformers import AutoTokenizer
+
+    from cardfit.sources import open_model
+    from cardfit.text import token_chunks
+
+    text = small_text(tmp_path)
+    model = tiny_models["qwen2"]
+    result = run_scan(model, text, tmp_path / "w.json", method="weight")
+    assert result["complete"] and result["damage"]["method"].startswith("weight")
+    assert "E||dW x||^2" in result["damage"]["metric"]
+    assert all(c["method"] == "weight" and c["stderr"] is None for g in result["groups"] for c in g["cells"].values())
+    source = open_model(model)
+    chunks = token_chunks(AutoTokenizer.from_pretrained(str(model)), text.read_text(), 32, 256)
+    inputs = _layer_inputs(model, chunks, 1)
+    cells = next(g for g in result["groups"] if g["name"] == "layers.1")["cells"]
+    for fmt_name in FORMATS.split(","):
+        fmt = get_format(fmt_name)
+        slow = sum(weighted_error(source.read(n), fmt.roundtrip(n, source.read(n)), imatrix)
+                   for n, imatrix in inputs.items())
+        assert cells[fmt_name]["damage"] == pytest.approx(slow, rel=1e-4), fmt_name
+    embed = next(g for g in result["groups"] if g["name"] == "embed")["cells"]
+    name = "model.embed_tokens.weight"
+    weight = source.read(name)
+    frequency_part = weighted_error(weight, get_format("Q2_K").roundtrip(name, weight),
+                                    row_weight=token_frequencies(chunks, weight.shape[0]))
+    assert embed["Q2_K"]["damage"] > frequency_part > 0  # the head's part adds to the lookup's
+
+
+def test_weight_signal_orders_formats_and_plans(tiny_models, tmp_path):
+    """Fewer bits, more error, in every group; a weight map plans, and the recipe says what it summed."""
+    from cardfit.plan import plan
+
+    text = small_text(tmp_path)
+    result = run_scan(tiny_models["llama"], text, tmp_path / "w.json", method="weight")
+    for g in result["groups"]:
+        if g["name"] != "norm":
+            d = [g["cells"][f]["damage"] for f in FORMATS.split(",")]
+            assert d[0] < d[1] <= d[2], g["name"]  # Q2_K falls back to Q4_0 on 64-wide rows
+    sizes = [sum(g["bytes"][f] for g in result["groups"]) for f in FORMATS.split(",")]
+    recipe = plan(tmp_path / "w.json", (sizes[0] + sizes[2]) // 2)
+    assert recipe["map"]["damage"]["metric"] == result["damage"]["metric"]
+    assert len({g["format"] for g in recipe["groups"] if g["name"] != "norm"}) > 1
+
+
+def test_weight_scan_resumes_to_the_same_bytes_and_is_its_own_job(tiny_models, tmp_path):
+    text = small_text(tmp_path)
+    whole = tmp_path / "whole.json"
+    run_scan(tiny_models["llama"], text, whole, method="weight")
+    partial = json.loads(whole.read_text())
+    for g in partial["groups"][2:]:
+        g["cells"] = {}
+    partial["complete"] = False
+    partial.pop("separable_fraction")
+    resumed = tmp_path / "resumed.json"
+    resumed.write_text(json.dumps(partial, indent=2))
+    run_scan(tiny_models["llama"], text, resumed, method="weight", resume=True)
+    assert json.loads(resumed.read_text()) == json.loads(whole.read_text())
+    from cardfit.errors import CardfitError
+
+    with pytest.raises(CardfitError, match="another model, text or settings"):
+        scan(tiny_models["llama"], text, out=whole, max_tokens=256, formats=FORMATS, seq_len=32, progress=False,
+             resume=True)  # an exact scan never finishes a weight map
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_adaptive_recipe_equals_the_exact_recipe_at_the_budgets_asked(tiny_models, tmp_path, kind):
+    """Exact where the plan is decided, estimated elsewhere: the same recipes as the full exact map, for
+    fewer exact cells; every estimated cell says so."""
+    from cardfit.pack import reserve_bytes
+    from cardfit.plan import plan
+    from cardfit.sources import open_model
+
+    text = small_text(tmp_path)
+    reserve = reserve_bytes(open_model(tiny_models[kind]), "llama.cpp")
+    exact = run_scan(tiny_models[kind], text, tmp_path / "exact.json", formats="Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K")
+    fmts = exact["formats"]
+    sizes = [sum(g["bytes"][f] for g in exact["groups"]) for f in fmts]
+    budgets = [reserve + int(sizes[-1] + (sizes[0] - sizes[-1]) * share) for share in (0.3, 0.7)]
+    adaptive = run_scan(tiny_models[kind], text, tmp_path / "adaptive.json", formats=",".join(fmts),
+                        method="adaptive", weight_budgets=budgets)
+    cells = [c for g in adaptive["groups"] for c in g["cells"].values()]
+    estimated = [c for c in cells if c.get("method") == "estimate"]
+    assert estimated and all(c["stderr"] is None and c["signal"] > 0 for c in estimated)
+    assert adaptive["adaptive"]["exact_cells"] == len(cells) - len(estimated)
+    for g, e in zip(adaptive["groups"], exact["groups"]):  # measured cells are the exact scan's bits
+        for f, c in g["cells"].items():
+            if c.get("method") is None:
+                assert c["damage"] == e["cells"][f]["damage"]
+    for budget in budgets:
+        want = [g["format"] for g in plan(tmp_path / "exact.json", budget, reserve_bytes=reserve)["groups"]]
+        got = [g["format"] for g in plan(tmp_path / "adaptive.json", budget, reserve_bytes=reserve)["groups"]]
+        assert got == want, budget
+
+
+def test_adaptive_needs_budgets(tiny_models, tmp_path, run_cli):
+    code, out, err = run_cli("scan", str(tiny_models["llama"]), "--method", "adaptive", "--out", str(tmp_path / "m.json"))
+    assert code == 2 and "--weight-budget" in err and not (tmp_path / "m.json").exists()
+    code, out, err = run_cli("scan", str(tiny_models["llama"]), "--weight-budget", "1MiB", "--out",
+                             str(tmp_path / "m.json"))
+    assert code == 2 and "--method adaptive" in err
+    code, out, err = run_cli("scan", str(tiny_models["llama"]), "--method", "adaptive", "--weight-budget", "1KiB",
+                             "--out", str(tmp_path / "m.json"))
+    assert code == 2 and "minimum achievable" in err and not (tmp_path / "m.json").exists()
