@@ -421,6 +421,8 @@ def compare_command(
     imatrix: bool = typer.Option(False, "--imatrix", help="Both sides round with one importance matrix "
                                  "(llama.cpp's presets and cardfit's map and pack)."),
     speed: bool = typer.Option(True, help="Also measure single-stream generation tokens/s of every row."),
+    weight_allocator: bool = typer.Option(True, help="Also the plan of a weight-signal map (scan --method weight) "
+                                          "over the same formats at each preset's size: the weight-error allocator."),
     text: Optional[str] = typer.Option(None, help="Held-out text (default: bundled)."),
     max_tokens: int = typer.Option(2048, min=1, help="Held-out tokens each artifact is measured over."),
     scan_tokens: int = typer.Option(1024, min=1, help="Calibration tokens for the map, the imatrix, GPTQ and AWQ."),
@@ -430,7 +432,8 @@ def compare_command(
 
     chosen = [] if baselines.strip() == "none" else [b.strip() for b in baselines.split(",") if b.strip()]
     result = compare(model, out, map_path, [p.strip() for p in presets.split(",") if p.strip()], text, max_tokens,
-                     scan_tokens=scan_tokens, log=typer.echo, imatrix=imatrix, baselines=chosen, speed=speed)
+                     scan_tokens=scan_tokens, log=typer.echo, imatrix=imatrix, baselines=chosen, speed=speed,
+                     weight_allocator=weight_allocator)
     typer.echo(render_compare(result))
 
 

@@ -178,11 +178,13 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, text: str | Path | None = None,
             max_tokens: int = 2048, seq_len: int = 512, scan_tokens: int = 1024, progress: bool = True,
             log=print, imatrix: bool = False, baselines: tuple[str, ...] | list[str] = DEFAULT_BASELINES,
-            speed: bool = True) -> dict:
+            speed: bool = True, weight_allocator: bool = True) -> dict:
     """Measure the shelf and cardfit's recipe at each of its sizes; writes compare.json/.md/.png in `out`.
 
     With `imatrix`, both sides round with the same importance matrix (collected over the calibration
-    text): llama.cpp's presets through its quantize API, cardfit's map and pack through its own."""
+    text): llama.cpp's presets through its quantize API, cardfit's map and pack through its own.
+    With `weight_allocator`, each preset size also gets the plan of a weight-signal map over the same
+    formats (scan --method weight): the allocator llama.cpp's --target-size stands for, on our menu."""
     from .atomic import write_json, write_text
     from .formats import get_format
     from .pack import pack, reserve_bytes
@@ -252,6 +254,21 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             raise CardfitError(f"{map_path} was scanned with {read_map(map_path).get('rounding')} rounding, "
                                f"this comparison rounds with {rounding}",
                                "scan the map with the same --rounding, or leave --map out")
+    weight_map = None
+    if weight_allocator:
+        from .maps import read_map
+
+        weight_map = out / f"weight-map{tag}.json"
+        menu = ",".join(read_map(map_path)["formats"])
+        weight_key = artifact_key("weight-map", **calibrated, formats=menu, rounding=rounding, group_by="layer")
+        if not cache.fresh(weight_map, weight_key):
+            cache.forget(weight_map)
+            weight_map.unlink(missing_ok=True)
+            cache.record(weight_map, weight_key)
+        if log:
+            log(f"pricing {menu} by the weight signal ({rounding}) over {scan_tokens} tokens -> {weight_map}")
+        scan(model, None, scan_tokens, menu, "layer", weight_map, resume=True, rounding=rounding, seq_len=seq_len,
+             progress=progress, method="weight")
     f16 = out / "f16.gguf"
     f16_key = artifact_key("f16", **made_from)
     cache.ensure(f16, f16_key, lambda: pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False,
@@ -276,18 +293,26 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             row.update(_gguf_speed(path))
         return row
 
+    recipe_kinds = {  # kind -> (row name, file name prefix, how the recipe is made at a byte limit)
+        "cardfit": ("cardfit", "cardfit", lambda limit: plan(map_path, limit, reserve_bytes=reserve)),
+        "uniform-body": ("uniform body + embed/head", "uniform-body",
+                         lambda limit: best_uniform_body(map_path, limit, reserve)),
+        "weight-allocator": ("weight-error allocator", "weight-allocator",
+                             lambda limit: plan(weight_map, limit, reserve_bytes=reserve)),
+    }
+
     def recipe_row(against: list[dict], label: str, kind: str) -> dict:
-        """A recipe from the map whose whole GGUF is no larger than the smallest of `against`: cardfit's
-        optimum (kind "cardfit"), or the best uniform body + one embedding/head type ("uniform-body")."""
+        """A recipe whose whole GGUF is no larger than the smallest of `against`: cardfit's optimum,
+        the best uniform body + one embedding/head type, or the weight-signal map's optimum."""
         limit = min(r["bytes"] for r in against)
         best = min(against, key=lambda r: r["kld_mean"])
-        name = f"cardfit <= {label}" if kind == "cardfit" else f"uniform body + embed/head <= {label}"
+        title, prefix, make_recipe = recipe_kinds[kind]
+        name = f"{title} <= {label}"
         try:
-            recipe = (plan(map_path, limit, reserve_bytes=reserve) if kind == "cardfit"
-                      else best_uniform_body(map_path, limit, reserve))
+            recipe = make_recipe(limit)
         except CardfitError as exc:
             return {"name": name, "kind": kind, "against": best["name"], "error": str(exc)}
-        mine = out / (f"cardfit{tag}-{label}.gguf" if kind == "cardfit" else f"uniform-body{tag}-{label}.gguf")
+        mine = out / f"{prefix}{tag}-{label}.gguf"
         recipe_hash = content_hash(recipe)
         packed = {}
 
@@ -316,11 +341,18 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         say(shelf)
         simple = recipe_row([shelf], preset, "uniform-body")
         say(simple)
+        rows += [shelf, simple]
+        if weight_allocator:
+            allocator = recipe_row([shelf], preset, "weight-allocator")
+            say(allocator)
+            rows.append(allocator)
         mine = cardfit_row([shelf], preset)
-        if "error" not in mine and "error" not in simple and simple["kld_mean"] > 0:
-            mine["kld_vs_uniform_body"] = 1 - mine["kld_mean"] / simple["kld_mean"]
+        for other, key in ((simple, "kld_vs_uniform_body"), (allocator if weight_allocator else None,
+                                                            "kld_vs_weight_allocator")):
+            if other is not None and "error" not in mine and "error" not in other and other["kld_mean"] > 0:
+                mine[key] = 1 - mine["kld_mean"] / other["kld_mean"]
         say(mine)
-        rows += [shelf, simple, mine]
+        rows.append(mine)
     four_bit = []
     for method in [m for m in baselines if m != "nf4"]:
         folder = out / f"w4a16-{method}"
@@ -355,6 +387,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         say(row)
         say(rows[-1])
     result = {"model": source.path.name, "source_types": source.source_types(), "map": str(map_path),
+              "weight_map": None if weight_map is None else str(weight_map),
               "rounding": rounding, "tokens": max_tokens, "seq_len": seq_len, "calibration_tokens": scan_tokens,
               "rows": rows}
     write_json(out / f"compare{tag}.json", result)
@@ -437,10 +470,12 @@ def render_compare(result: dict) -> str:
         lines.append(f"— tok/s of {names}: measured in {runtime} (KLD in the runtime column).")
     notes = sorted({r["speed_note"] for r in result["rows"] if r.get("speed_note")})
     lines += [f"— tok/s: {note}." for note in notes]
-    margins = [r for r in result["rows"] if r.get("kld_vs_uniform_body") is not None]
-    if margins:
-        lines.append("— cardfit vs the best uniform body + embed/head at the same size: " + ", ".join(
-            f"{r['name'].split('<= ')[-1]} {-r['kld_vs_uniform_body']:+.1%}" for r in margins) + ".")
+    for key, what in (("kld_vs_uniform_body", "the best uniform body + embed/head"),
+                      ("kld_vs_weight_allocator", "the weight-error allocator (the weight signal's plan)")):
+        margins = [r for r in result["rows"] if r.get(key) is not None]
+        if margins:
+            lines.append(f"— cardfit vs {what} at the same size: " + ", ".join(
+                f"{r['name'].split('<= ')[-1]} {-r[key]:+.1%}" for r in margins) + ".")
     table = source_type_table(result)
     if table:
         lines += ["", table]

@@ -1,52 +1,215 @@
-"""The fast damage estimator: KL(P_ref || P_q) ≈ ½ δwᵀ F δw with the diagonal Fisher F.
+"""The fast damage estimator: KL(P_ref || P_q) ≈ ½ δwᵀ F δw with the diagonal Fisher F, streamed.
 
 Around the reference weights the KL of a small perturbation δw is, to second order, ½ δwᵀ F δw,
 where F is the Fisher information of the model's own next-token distribution. Its diagonal is
-estimated from gradients of the log-likelihood of tokens *sampled from the model itself* (so
-the score has zero mean and squared chunk gradients estimate the per-token Fisher without the
-cross terms that true labels leave). One forward+backward per chunk and sample gives F for
-every weight at once; each cell then costs only its quantization round trip, with no model run.
+estimated from gradients of the log-likelihood of tokens *sampled from the model itself* (so the
+score has zero mean and squared batch gradients estimate the per-token Fisher without the cross
+terms that true labels leave). Each cell then costs only its quantization round trip.
 
-Unlike the exact scan this holds the whole model (weights, gradients and the Fisher
-accumulators: about three times its float32 size); it is the pilot, not the measurement.
+The model is never whole in memory: a layer-major forward keeps each layer's input per batch (the
+activations), the head samples the labels and starts the backward chunk by chunk of tokens (the
+logits are never whole either), and the backward walks the layers from the top down, one resident
+layer at a time, recomputing its forward from the kept input. A layer's Fisher is final once every
+batch has passed back through it, so it is handed to the caller and dropped: peak memory is the
+largest group about three times (weights, one batch's gradient, the accumulator) plus the
+activations. Tied embeddings get the head's and the lookup's gradient summed before squaring, as one
+parameter should.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from .groups import EMBED, LM_HEAD, NORM, GroupId
 
-def fisher_diagonal(model_dir, chunks: torch.Tensor, device: str = "cpu", samples: int = 2, batch: int = 4,
-                    seed: int = 0) -> dict[str, torch.Tensor]:
-    """Mean per-token diagonal Fisher of every parameter, by name (tied weights share one entry)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True).to(device)
-    model.eval()
-    params = {n: p for n, p in model.named_parameters()}
-    fisher = {n: torch.zeros_like(p, device="cpu") for n, p in params.items()}
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    tokens = 0
-    for i in range(0, len(chunks), batch):
-        ids = chunks[i:i + batch].to(device)
-        for _ in range(samples):
-            model.zero_grad(set_to_none=True)
-            logits = model(ids).logits.to(torch.float32)
-            with torch.no_grad():
-                probs = torch.softmax(logits, dim=-1).reshape(-1, logits.shape[-1]).cpu()
-                labels = torch.multinomial(probs, 1, generator=generator).reshape(logits.shape[:-1]).to(device)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                     reduction="sum")
-            loss.backward()
-            for n, p in params.items():
-                if p.grad is not None:
-                    fisher[n] += p.grad.detach().to("cpu") ** 2
-        tokens += ids.numel()
-    del model
-    return {n: f / (tokens * samples) for n, f in fisher.items()}
+LOGIT_ROWS = 128  # tokens per chunk when sampling: the logits held at once are LOGIT_ROWS x vocab floats
+VOCAB_ROWS = 4096  # most head rows per chunk of the backward (its gradient slice: VOCAB_ROWS x hidden)
 
 
-def predicted_kl(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.Tensor) -> float:
-    """½ Σ F δw² in nats per token."""
-    delta = (quantized.to(torch.float32) - original.to(torch.float32)).cpu()
-    return 0.5 * float((fisher * delta * delta).sum())
+def streamed_fisher(source, chunks: torch.Tensor, on_group: Callable[[dict[str, torch.Tensor]], None],
+                    device: str | torch.device = "cpu", samples: int = 2, batch: int = 4, seed: int = 0) -> None:
+    """The mean per-token diagonal Fisher of every tensor, handed to `on_group({name: fisher})` one
+    source group at a time as each becomes final: the final norm and an untied head, the layers top
+    down, then the embedding (tied, with the head's share). Samples labels batch by batch, sample by sample, token by token from one seeded
+    CPU generator."""
+    from .heap import map_large_blocks
+    from .runner import StreamedModel
+
+    map_large_blocks()  # big temporaries go back to the system when freed, not into a growing heap
+    model = StreamedModel(source, device=device, dtype=torch.float32)
+    try:
+        _Pass(model, chunks, samples, batch, seed).run(on_group)
+    finally:
+        model.close()
+
+
+class _Pass:
+    def __init__(self, model, chunks: torch.Tensor, samples: int, batch: int, seed: int):
+        self.model = model
+        self.device = model.device
+        self.ids = [chunks[i:i + batch] for i in range(0, len(chunks), batch)]
+        self.samples = samples
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.scale = 1.0 / (chunks.numel() * samples)
+        self.layers = len(model.layers)
+
+    def run(self, on_group) -> None:
+        inputs = self.forward()  # inputs[layer][batch], inputs[layers][batch] = the last hidden state
+        grads, head_fisher, head_rows = self.head(inputs.pop())
+        on_group(head_fisher)  # final norm and untied head: final now, dropped before the layers
+        for index in reversed(range(self.layers)):
+            on_group(self.backward_layer(index, inputs.pop(), grads))
+        on_group(self.embedding(grads, head_rows if self.model.tied else None))
+
+    def _params(self, group: str) -> dict[str, torch.nn.Parameter]:
+        return {n: self.model.model.get_parameter(n) for n in self.model.group_tensors(group)}
+
+    @torch.no_grad()
+    def forward(self) -> list[list[torch.Tensor]]:
+        """Every layer's input for every batch, layer-major (each layer read once)."""
+        hidden = [self.model.embed(ids) for ids in self.ids]
+        inputs = []
+        for index in range(self.layers):
+            inputs.append(hidden)
+            hidden = [self.model.run_layer(index, h) for h in hidden]
+        inputs.append(hidden)
+        return inputs
+
+    def head(self, last: list[torch.Tensor]):
+        """Sample labels and take the backward through the head and final norm: -> each (batch, sample)'s
+        gradient at the last hidden state, the head's and norm's Fisher, and (tied) the head gradient's
+        rows at each batch's input tokens. Two passes per sample, so neither the logits nor the head's
+        gradient is ever whole: token chunks to sample the labels (in the order one whole-batch draw
+        would take them), then vocabulary chunks, each squared into the Fisher as it is made."""
+        model = self.model
+        head_group = EMBED if model.tied else LM_HEAD
+        head_name = self._embedding_name() if model.tied else model.group_tensors(LM_HEAD)[0]
+        fisher: dict[str, torch.Tensor] = {}
+        rows: list[list[torch.Tensor]] = []
+        grads: list[list[torch.Tensor]] = []
+        softcap = getattr(model.model.config, "final_logit_softcapping", None)
+
+        def capped(z):
+            return torch.tanh(z / softcap) * softcap if softcap else z
+
+        with model.resident(NORM), model.resident(head_group):
+            weight = model.model.lm_head.weight.detach()
+            vocab = weight.shape[0]
+            norm_params = self._params(NORM)
+            fisher[head_name] = torch.zeros_like(weight)
+            fisher.update({n: torch.zeros_like(p) for n, p in norm_params.items()})
+            for b, hidden in enumerate(last):
+                h = hidden.to(self.device, torch.float32).requires_grad_(True)
+                with torch.enable_grad():
+                    normed = model.decoder.norm(h)
+                flat = normed.detach().reshape(-1, normed.shape[-1])
+                tokens = self.ids[b].to(self.device).unique() if model.tied else None
+                width = max(1, min(VOCAB_ROWS, LOGIT_ROWS * vocab // len(flat)))
+                grads.append([])
+                rows.append([])
+                for s in range(self.samples):
+                    labels, lse = [], []
+                    for start in range(0, len(flat), LOGIT_ROWS):
+                        logits = capped(flat[start:start + LOGIT_ROWS] @ weight.T)
+                        lse.append(torch.logsumexp(logits, dim=-1))
+                        probs = torch.softmax(logits, dim=-1).cpu()
+                        labels.append(torch.multinomial(probs, 1, generator=self.generator).reshape(-1))
+                    labels, lse = torch.cat(labels).to(self.device), torch.cat(lse)
+                    g_normed = torch.zeros_like(flat)
+                    head_rows = []
+                    for v0 in range(0, vocab, width):
+                        part = weight[v0:v0 + width]
+                        z = flat @ part.T
+                        d = torch.exp(capped(z) - lse[:, None])  # softmax, this slice of the vocabulary
+                        hit = (labels >= v0) & (labels < v0 + len(part))
+                        d[hit.nonzero().reshape(-1), labels[hit] - v0] -= 1.0  # d CE / d logits
+                        if softcap:
+                            d *= 1 - torch.tanh(z / softcap) ** 2
+                        g_part = d.T @ flat
+                        fisher[head_name][v0:v0 + len(part)].addcmul_(g_part, g_part)
+                        g_normed.addmm_(d, part)
+                        if tokens is not None:
+                            inside = tokens[(tokens >= v0) & (tokens < v0 + len(part))]
+                            head_rows.append(g_part[inside - v0])
+                    g_h, *g_norm = torch.autograd.grad(normed, [h, *norm_params.values()],
+                                                       grad_outputs=g_normed.reshape(normed.shape),
+                                                       retain_graph=s < self.samples - 1, allow_unused=True)
+                    for name, g in zip(norm_params, g_norm):
+                        if g is not None:
+                            fisher[name].addcmul_(g, g)
+                    if tokens is not None:
+                        rows[b].append(torch.cat(head_rows))
+                    grads[b].append(g_h.detach())
+        if model.tied:  # the tied matrix is final only after the embedding's own gradient
+            self.tied_fisher = fisher.pop(head_name)
+        return grads, self._scaled(fisher), rows
+
+    def backward_layer(self, index: int, inputs: list[torch.Tensor], grads) -> dict[str, torch.Tensor]:
+        """Layer `index`'s Fisher, and each (batch, sample)'s gradient moved to the layer's input."""
+        model = self.model
+        group = GroupId.layer_group(index)
+        with model.resident(group):
+            params = self._params(group)
+            fisher = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+            for b, hidden in enumerate(inputs):
+                kwargs = model.layer_kwargs(hidden.shape[0], hidden.shape[1])[index]
+                h = hidden.to(self.device).requires_grad_(True)
+                with torch.enable_grad():
+                    out = model.layers[index](h, **kwargs)
+                    out = out[0] if isinstance(out, tuple) else out
+                for s in range(self.samples):
+                    g_h, *g_params = torch.autograd.grad(out, [h, *params.values()], grad_outputs=grads[b][s],
+                                                         retain_graph=s < self.samples - 1, allow_unused=True)
+                    for name, g in zip(params, g_params):
+                        if g is not None:
+                            g = g.to(torch.float32)
+                            fisher[name].addcmul_(g, g)
+                    grads[b][s] = g_h.detach()
+                inputs[b] = None  # this batch's input is spent
+        return self._scaled(fisher)
+
+    def embedding(self, grads, head_rows) -> dict[str, torch.Tensor]:
+        """The embedding's Fisher from each (batch, sample)'s gradient through the lookup (its own module,
+        so a scaled embedding is scaled; sparse, so only the batch's rows are ever made); tied, the
+        head's gradient at those rows joins before squaring."""
+        model = self.model
+        name = self._embedding_name()
+        lookup_module = model.decoder.embed_tokens
+        with model.resident(EMBED):
+            weight = model.model.get_parameter(name)
+            fisher = self.tied_fisher if head_rows is not None else torch.zeros_like(weight, dtype=torch.float32)
+            was_sparse, lookup_module.sparse = lookup_module.sparse, True
+            try:
+                for b, ids in enumerate(self.ids):
+                    with torch.enable_grad():
+                        out = lookup_module(ids.to(self.device))
+                    for s in range(self.samples):
+                        (g,) = torch.autograd.grad(out, [weight], grad_outputs=grads[b][s].to(out.dtype),
+                                                   retain_graph=s < self.samples - 1)
+                        g = g.coalesce()
+                        tokens, lookup = g.indices()[0], g.values().to(torch.float32)
+                        if head_rows is None:
+                            fisher[tokens] += lookup * lookup
+                        else:  # (h + l)^2 = h^2 (already in) + l (2h + l); rows in sorted token order
+                            fisher[tokens] += lookup * (2 * head_rows[b][s] + lookup)
+            finally:
+                lookup_module.sparse = was_sparse
+            fisher = fisher.detach()
+        return self._scaled({name: fisher})
+
+    def _embedding_name(self) -> str:
+        return next(t.name for t in self.model.groups[EMBED] if len(t.shape) == 2)
+
+    def _scaled(self, fisher: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: f.mul_(self.scale).cpu() for n, f in fisher.items()}
+
+
+def predicted_kl(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.Tensor, rows: int = 4096) -> float:
+    """½ Σ F δw² in nats per token, a block of rows at a time (no full-size temporaries)."""
+    total = 0.0
+    for start in range(0, original.shape[0], rows):
+        delta = quantized[start:start + rows].to(torch.float32) - original[start:start + rows].to(torch.float32)
+        total += float(torch.dot(fisher[start:start + rows].reshape(-1), delta.square_().reshape(-1)))
+    return 0.5 * total

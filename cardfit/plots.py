@@ -80,6 +80,7 @@ def plot_compare(rows: list[dict], path: str | Path) -> None:
     mib = 2**20
     kinds = (("shelf", "s", "llama.cpp preset"), ("baseline", "^", "uniform 4-bit (W4A16, NF4)"),
              ("uniform-body", "D", "best uniform body + embed/head type"),
+             ("weight-allocator", "v", "weight-error allocator"),
              ("cardfit", "*", "cardfit at <= that size"))  # the F16 floor (~1e-6) would only flatten the axis
     for kind, marker, label in kinds:
         picked = [r for r in rows if r["kind"] == kind and "kld_mean" in r]

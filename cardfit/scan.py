@@ -363,7 +363,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     if not todo and result.get("complete"):
         return {"estimate": None} if estimate else result  # a finished map of this very job: nothing to measure
     if method == "fast":
-        return _fast_cells(source, chunks, groups, todo, result, out, str(resolve_device(device)[0]), batch)
+        return _fast_cells(source, chunks, groups, todo, fmts, result, out, str(resolve_device(device)[0]), batch)
     if method == "weight":
         return _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype,
                              gpu_memory, progress)
@@ -508,19 +508,30 @@ def _progress(enabled: bool, total: int, done: int):
     return tqdm(total=total, initial=done, unit="cell", dynamic_ncols=True, disable=None)
 
 
-def _fast_cells(source, chunks, groups, todo, result, out, device, batch) -> dict:
-    """Every cell from one Fisher estimate: ½ Σ F δw² over the group's tensors (no model runs per cell)."""
-    from .fisher import fisher_diagonal, predicted_kl
+def _fast_cells(source, chunks, groups, todo, fmts, result, out, device, batch) -> dict:
+    """Every cell from one streamed Fisher estimate: ½ Σ F δw² over the group's tensors (no model runs
+    per cell); each group is priced as its tensors' Fisher becomes final, then the Fisher is dropped."""
+    from .fisher import predicted_kl, streamed_fisher
 
-    fisher = fisher_diagonal(source.path, chunks, device=device, batch=batch)
-    for i, group, fmt in todo:
-        damage = 0.0
-        for t in group.quantizable:
-            if fmt.storage(t.name, t.shape) == "F32" or t.name not in fisher:
-                continue
-            weight = source.read(t.name)
-            damage += predicted_kl(fisher[t.name], weight, fmt.roundtrip(t.name, weight, None, "rtn"))
-        result["groups"][i]["cells"][fmt.name] = {"damage": damage, "stderr": None, "top1": None}
+    pending = pending_by_group(todo)
+
+    def price(fisher: dict[str, torch.Tensor]) -> None:
+        for index in [i for i in pending if all(t.name in fisher for t in groups[i].quantizable)]:
+            for fmt in pending.pop(index):
+                damage = 0.0
+                for t in groups[index].quantizable:
+                    if fmt.storage(t.name, t.shape) == "F32":
+                        continue
+                    weight = source.read(t.name)
+                    damage += predicted_kl(fisher[t.name], weight, fmt.roundtrip(t.name, weight, None, "rtn"))
+                result["groups"][index]["cells"][fmt.name] = {"damage": damage, "stderr": None, "top1": None}
+
+    streamed_fisher(source, chunks, price, device=device, batch=batch)
+    if pending:  # a group whose tensors the model does not run (none today): say so rather than leave holes
+        raise CardfitError(f"the Fisher pass never reached {', '.join(groups[i].name for i in pending)}",
+                           "scan with --method exact")
+    for entry in result["groups"]:
+        entry["cells"] = in_map_order(entry["cells"], fmts)
     result["separable_fraction"] = None
     result["complete"] = True
     write_json(out, result)

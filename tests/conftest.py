@@ -32,6 +32,8 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     elif kind == "gemma3":
         config = Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=32,
                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    elif kind == "gemma3-softcap":  # Gemma 2's final logit soft-capping, tight enough to bend the logits
+        config = Gemma3TextConfig(**common, head_dim=16, sliding_window=32, final_logit_softcapping=0.5)
     elif kind == "gemma3-llamacpp":  # the geometry llama.cpp assumes for Gemma 3: 5 sliding to 1 global
         config = Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=16, sliding_window=32,
                                   query_pre_attn_scalar=16)

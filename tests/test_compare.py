@@ -22,6 +22,7 @@ def test_compare_meets_each_preset_and_baseline_at_equal_bytes(tiny_model, tmp_p
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"llama.cpp F16 (runtime floor)", "llama.cpp Q8_0", "cardfit <= Q8_0", "llama.cpp Q4_0",
                          "cardfit <= Q4_0", "uniform body + embed/head <= Q8_0", "uniform body + embed/head <= Q4_0",
+                         "weight-error allocator <= Q8_0", "weight-error allocator <= Q4_0",
                          "W4A16-g128 RTN", "W4A16-g128 GPTQ", "cardfit <= W4A16-g128",
                          "bitsandbytes NF4", "cardfit <= NF4"}
     for preset in ("Q8_0", "Q4_0"):
@@ -37,6 +38,10 @@ def test_compare_meets_each_preset_and_baseline_at_equal_bytes(tiny_model, tmp_p
         assert simple["bytes"] <= shelf["bytes"] and simple["kind"] == "uniform-body"
         assert mine["predicted_damage"] <= simple["predicted_damage"] + 1e-12  # an optimum over a superset
         assert mine["kld_vs_uniform_body"] == 1 - mine["kld_mean"] / simple["kld_mean"]
+        # The weight-error allocator: the weight-signal map's optimum over the same formats, measured too.
+        allocator = rows[f"weight-error allocator <= {preset}"]
+        assert allocator["kind"] == "weight-allocator" and allocator["bytes"] <= shelf["bytes"]
+        assert mine["kld_vs_weight_allocator"] == 1 - mine["kld_mean"] / allocator["kld_mean"]
     assert rows["llama.cpp Q4_0"]["kld_mean"] > rows["llama.cpp Q8_0"]["kld_mean"]  # measured, not assumed
     # Beside every recipe, what the source stores each group as (this tiny model: its own safetensors dtype).
     dtypes = {t.dtype for t in open_model(model_dir).tensors() if t.group == "layers.0" and len(t.shape) == 2}
@@ -64,6 +69,9 @@ def test_compare_meets_each_preset_and_baseline_at_equal_bytes(tiny_model, tmp_p
     table = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| cardfit <= Q4_0 | llama.cpp |" in table and "vs W4A16-g128" in table
     assert "| group | source type |" in table and "vs the best uniform body" in table
+    assert "vs the weight-error allocator" in table
+    weight_map = json.loads((tmp_path / "cmp" / "weight-map.json").read_text())
+    assert weight_map["formats"] == ["Q8_0", "Q4_0", "Q2_K"] and weight_map["damage"]["method"].startswith("weight")
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
 
 

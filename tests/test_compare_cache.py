@@ -39,8 +39,8 @@ def test_compare_remakes_what_another_model_or_setting_made(tiny_model, tmp_path
         return compare(model, out, None, ["Q8_0"], text=calib_text, max_tokens=64, seq_len=32,
                        scan_tokens=scan_tokens, progress=False, log=None, baselines=[], speed=False)
 
-    cached = [out / n for n in ("f16.gguf", "sensitivity.json", "shelf-Q8_0.gguf", "uniform-body-Q8_0.gguf",
-                                 "cardfit-Q8_0.gguf")]
+    cached = [out / n for n in ("f16.gguf", "sensitivity.json", "weight-map.json", "shelf-Q8_0.gguf",
+                                 "uniform-body-Q8_0.gguf", "weight-allocator-Q8_0.gguf", "cardfit-Q8_0.gguf")]
     first = run(model_a)
     state = json.loads((out / STATE).read_text())
     assert set(state["artifacts"]) == {p.name for p in cached}
@@ -57,6 +57,7 @@ def test_compare_remakes_what_another_model_or_setting_made(tiny_model, tmp_path
     run(model_a, scan_tokens=96)
     assert read_map(out / "sensitivity.json")["calibration"]["tokens"] == 96
     assert _stamp(out / "sensitivity.json") != stamps["sensitivity.json"]
+    assert read_map(out / "weight-map.json")["calibration"]["tokens"] == 96
     assert _stamp(out / "f16.gguf") == stamps["f16.gguf"]
     assert _stamp(out / "shelf-Q8_0.gguf") == stamps["shelf-Q8_0.gguf"]
 

@@ -39,9 +39,10 @@ tokenizer = rss("VmRSS") - before
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak counter restarts from the current RSS
 base = rss("VmRSS")
-if job == "scan":
+if job in ("scan", "fast"):
     from cardfit.scan import scan
-    scan(model, None, 512, "Q8_0", out=out, memory_cap=64 * 2**20, seq_len=256, batch=2, progress=False)
+    scan(model, None, 512, "Q8_0", out=out, memory_cap=64 * 2**20, seq_len=256, batch=2, progress=False,
+         method="exact" if job == "scan" else "fast")
 else:
     from cardfit.plan import uniform_recipe
     from cardfit.pack import pack
@@ -88,6 +89,29 @@ def test_scan_peak_rss_stays_within_three_groups_activations_and_a_logits_chunk(
     used = measured["peak"] - measured["baseline"]
     print(f"scan: {used / MIB:.0f} MiB above baseline, bound {bound / MIB:.0f} MiB")
     assert used < bound
+    assert json.loads((tmp_path / "map.json").read_text())["complete"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the peak RSS")
+def test_fast_scan_streams_the_fisher_in_less_than_the_model(default_model_dir, tmp_path):
+    """The Fisher pass and its pricing hold the largest group three times in float32 (weights, its Fisher,
+    a gradient slice or the round trip) and once more at two bytes a weight (the source's pages as they
+    are read, the round trip's packed bytes), the activations and two logits chunks: less than the model
+    in float32, which the whole-model way held three times over."""
+    from cardfit.fisher import LOGIT_ROWS
+    from cardfit.sources import open_model
+
+    source = open_model(default_model_dir)
+    geometry = source.geometry
+    model_f32 = sum(_numel(t.shape) * 4 for t in source.tensors())
+    measured = _stage_peak(default_model_dir, tmp_path / "map.json", "fast")
+    activations = 512 * geometry.hidden_size * 4 * (geometry.num_layers + 1)
+    largest = _largest_group_f32(default_model_dir)
+    bound = 3 * largest + largest // 2 + activations + 2 * LOGIT_ROWS * geometry.vocab_size * 4
+    used = measured["peak"] - measured["baseline"]
+    print(f"fast scan: {used / MIB:.0f} MiB above baseline, bound {bound / MIB:.0f} MiB, "
+          f"model in float32 {model_f32 / MIB:.0f} MiB")
+    assert bound < model_f32 and used < bound
     assert json.loads((tmp_path / "map.json").read_text())["complete"]
 
 

@@ -304,7 +304,7 @@ def test_compare_takes_every_form(world, maps, tmp_path, form):
                      max_tokens=64, seq_len=32, scan_tokens=64, progress=False, log=None, baselines=[], speed=False)
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"llama.cpp F16 (runtime floor)", "llama.cpp Q8_0", "uniform body + embed/head <= Q8_0",
-                         "cardfit <= Q8_0"}
+                         "weight-error allocator <= Q8_0", "cardfit <= Q8_0"}
     assert all(r["kld_mean"] >= 0 for r in rows.values())
 
 

@@ -1,0 +1,65 @@
+"""The streamed Fisher (scan --method fast) against the whole-model computation it replaces."""
+
+import pytest
+import torch
+
+from cardfit.fisher import streamed_fisher
+from cardfit.sources import open_model
+from cardfit.text import token_chunks
+
+from test_scan import small_text
+
+
+def _resident_fisher(model_dir, chunks, samples=2, batch=4, seed=0) -> dict[str, torch.Tensor]:
+    """The slow way: the whole transformers model in float32, one backward per batch and sample, labels
+    sampled from its own softmax; squared gradients averaged per token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True)
+    params = dict(model.named_parameters())
+    fisher = {n: torch.zeros_like(p) for n, p in params.items()}
+    generator = torch.Generator().manual_seed(seed)
+    for i in range(0, len(chunks), batch):
+        ids = chunks[i:i + batch]
+        for _ in range(samples):
+            model.zero_grad(set_to_none=True)
+            logits = model(ids).logits.to(torch.float32)
+            with torch.no_grad():
+                probs = torch.softmax(logits, dim=-1).reshape(-1, logits.shape[-1])
+                labels = torch.multinomial(probs, 1, generator=generator).reshape(logits.shape[:-1])
+            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                              reduction="sum").backward()
+            for n, p in params.items():
+                if p.grad is not None:
+                    fisher[n] += p.grad ** 2
+    return {n: f / (chunks.numel() * samples) for n, f in fisher.items()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gemma3-softcap"])
+def test_streamed_fisher_is_the_whole_model_fisher(tiny_model, tmp_path, kind):
+    """Untied head, tied head (head and lookup gradients summed before squaring), scaled embedding,
+    soft-capped logits: the layer-at-a-time backward gives the same Fisher as autograd over the whole
+    model, in the order the groups become final."""
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_model(kind)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    chunks = token_chunks(tokenizer, small_text(tmp_path).read_text(), 32, 6 * 32)
+    want = _resident_fisher(model_dir, chunks)
+    got, order = {}, []
+
+    def take(fisher):
+        order.append(sorted(fisher))
+        assert not set(fisher) & set(got), "a tensor handed over twice"
+        got.update(fisher)
+
+    streamed_fisher(open_model(model_dir), chunks, take, batch=4)  # 6 chunks: a full batch and a short one
+    assert set(got) == set(want)
+    for name, value in want.items():
+        scale = float(value.abs().max())
+        assert scale > 0, name
+        assert torch.allclose(got[name], value, rtol=1e-3, atol=1e-5 * scale), name
+    top = open_model(model_dir).geometry.num_layers - 1
+    assert any("norm" in n for n in order[0]) and ("lm_head.weight" in order[0]) == (kind == "llama")
+    assert all(f"layers.{top}." in n for n in order[1])  # then the layers, top down
+    assert any("embed_tokens" in n for n in order[-1])
