@@ -380,6 +380,12 @@ def check_command(
                            "do not ship it; re-plan with more bytes or inspect the recipe")
 
 
+def _fit_menu(artifact: str) -> str:
+    from .targets import for_artifact
+
+    return for_artifact(artifact).default_scan_formats
+
+
 @app.command("fit")
 def fit_command(
     model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or cached hub id (default: the embedded model)."),
@@ -389,7 +395,9 @@ def fit_command(
     kv_dtype: str = typer.Option("f16", help="KV cache dtype."),
     format: str = typer.Option("gguf", help="gguf (llama.cpp, Ollama) or compressed-tensors (vLLM)."),
     out: str = typer.Option("cardfit-out", help="Directory for every artifact of the run."),
-    formats: Optional[str] = typer.Option(None, help="Formats to scan (default: Q8_0,Q4_K,Q2_K for GGUF)."),
+    formats: Optional[str] = typer.Option(None, help="Formats to scan (default: the target's menu, GGUF: "
+                                          + _fit_menu("gguf") + ", plus the source's own quantized types, and "
+                                          "the low-bit ladder when the budget needs it)."),
     calibration: Optional[str] = typer.Option(None, help="Calibration text (default: bundled)."),
     max_tokens: int = typer.Option(1024, min=1, help="Calibration tokens for the scan and data-aware rounding."),
     method: str = typer.Option("rtn", help="Pack rounding: rtn/imatrix (GGUF), rtn/gptq/awq (compressed-tensors)."),
@@ -400,12 +408,16 @@ def fit_command(
     ray: Optional[str] = typer.Option(None, "--ray", metavar="[ADDRESS]",
                                       help="Run the scan's group sweeps on a Ray cluster (as scan --ray)."),
     workers: Optional[int] = typer.Option(None, help="With --ray: sweeps at a time."),
+    scan_method: str = typer.Option("exact", help="exact: measure every cell of the menu (and the source's own "
+                                    "types); adaptive: price every type by the weight signal and measure exactly "
+                                    "the cells that decide the plan at this budget."),
 ):
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit
 
     fit(model, vram, context, batch, kv_dtype, format, out, formats, calibration, max_tokens, method=method,
-        full_check=full_check, device=device, log=typer.echo, refine=refine, ray=ray, workers=workers)
+        full_check=full_check, device=device, log=typer.echo, refine=refine, ray=ray, workers=workers,
+        scan_method=scan_method)
 
 
 @app.command("compare")

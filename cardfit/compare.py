@@ -28,7 +28,6 @@ from .schemas import content_hash
 from .units import format_bytes
 
 DEFAULT_PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
-DEFAULT_MAP_FORMATS = "Q8_0,Q6_K,Q5_K,Q4_K,Q3_K,Q2_K"
 # Scanned beside the k-quants when an i-quant preset is compared, so cardfit may use what the preset uses.
 I_QUANT_MAP_FORMATS = "IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,IQ1_M"
 I_QUANT_PRESETS = ("IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ3_M", "IQ4_XS")  # the low-bit shelf (compare --presets)
@@ -201,9 +200,12 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         if preset_needs_imatrix(preset) and not imatrix:
             raise CardfitError(f"llama.cpp makes {preset} only with an importance matrix",
                                "add --imatrix (both sides then round with the same one)")
-    map_formats = DEFAULT_MAP_FORMATS
+    from .targets import for_artifact
+
+    menu = for_artifact("gguf").whole_menu.split(",")  # every type llama.cpp stores, the source's own grid included
     if any(preset.startswith("IQ") for preset in presets):
-        map_formats += "," + I_QUANT_MAP_FORMATS
+        menu += [f for f in I_QUANT_MAP_FORMATS.split(",") if f not in menu]
+    map_formats = ",".join(menu)
     for name in baselines:
         if name not in BASELINES:
             raise CardfitError(f"unknown baseline '{name}'", "known: " + ", ".join(BASELINES) + " (or none)")
@@ -234,41 +236,33 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             collect_imatrix(model, None, scan_tokens, seq_len, imatrix_file, progress=progress)
 
         cache.ensure(imatrix_file, imatrix_key, collect)
+    def scanned(path: Path, formats: str, method: str, what: str) -> None:
+        """A map of this very job in `path`: resumed when its key matches, else started over (the key goes
+        down before the scan, so an interrupted scan of this job resumes on the next run)."""
+        key = artifact_key("map" if method == "exact" else f"{method}-map", **calibrated, formats=formats,
+                           rounding=rounding, group_by="layer")
+        if not cache.fresh(path, key):
+            cache.forget(path)
+            path.unlink(missing_ok=True)
+            cache.record(path, key)
+        if log:
+            log(f"{what} {formats} ({rounding}) over {scan_tokens} tokens -> {path}")
+        scan(model, None, scan_tokens, formats, "layer", path, resume=True, rounding=rounding, seq_len=seq_len,
+             progress=progress, method=method)
+
+    from .maps import read_map
+
     if map_path is None:
         map_path = out / f"sensitivity{tag}.json"
-        map_key = artifact_key("map", **calibrated, formats=map_formats, rounding=rounding, group_by="layer")
-        if not cache.fresh(map_path, map_key):
-            # Another model or setting: start over. The key goes down before the scan, so an interrupted
-            # scan of this very job resumes on the next run.
-            cache.forget(map_path)
-            map_path.unlink(missing_ok=True)
-            cache.record(map_path, map_key)
-        if log:
-            log(f"scanning {map_formats} ({rounding}) over {scan_tokens} tokens -> {map_path}")
-        scan(model, None, scan_tokens, map_formats, "layer", map_path, resume=True, rounding=rounding,
-             seq_len=seq_len, progress=progress)
-    else:
-        from .maps import read_map
-
-        if read_map(map_path).get("rounding", "rtn") != rounding:
-            raise CardfitError(f"{map_path} was scanned with {read_map(map_path).get('rounding')} rounding, "
-                               f"this comparison rounds with {rounding}",
-                               "scan the map with the same --rounding, or leave --map out")
+        scanned(map_path, map_formats, "exact", "scanning")
+    elif read_map(map_path).get("rounding", "rtn") != rounding:
+        raise CardfitError(f"{map_path} was scanned with {read_map(map_path).get('rounding')} rounding, "
+                           f"this comparison rounds with {rounding}",
+                           "scan the map with the same --rounding, or leave --map out")
     weight_map = None
-    if weight_allocator:
-        from .maps import read_map
-
+    if weight_allocator:  # the weight signal over the very formats cardfit's map offers
         weight_map = out / f"weight-map{tag}.json"
-        menu = ",".join(read_map(map_path)["formats"])
-        weight_key = artifact_key("weight-map", **calibrated, formats=menu, rounding=rounding, group_by="layer")
-        if not cache.fresh(weight_map, weight_key):
-            cache.forget(weight_map)
-            weight_map.unlink(missing_ok=True)
-            cache.record(weight_map, weight_key)
-        if log:
-            log(f"pricing {menu} by the weight signal ({rounding}) over {scan_tokens} tokens -> {weight_map}")
-        scan(model, None, scan_tokens, menu, "layer", weight_map, resume=True, rounding=rounding, seq_len=seq_len,
-             progress=progress, method="weight")
+        scanned(weight_map, ",".join(read_map(map_path)["formats"]), "weight", "pricing by the weight signal")
     f16 = out / "f16.gguf"
     f16_key = artifact_key("f16", **made_from)
     cache.ensure(f16, f16_key, lambda: pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False,

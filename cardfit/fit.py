@@ -43,17 +43,25 @@ def _say(log, text: str) -> None:
         log(text)
 
 
-def scan_menu(target, source, tensor_budget: int) -> str:
-    """fit's scan formats: the target's default menu, and its low-bit ladder too when the tensors cannot
-    fit `tensor_budget` on the default menu alone (a 32B on a 12 GB card), so the plan can reach it."""
-    from .formats import parse_formats
+def scan_menu(target, source, tensor_budget: int, method: str = "exact") -> str:
+    """fit's scan formats. Exact: the target's default menu plus the quantized types the source itself
+    stores (re-quantizing a tensor onto its own grid costs ~0, every other type far more; the embedded
+    model's Q4_1 layers are the case). Adaptive: the target's whole menu. Either way the low-bit ladder too
+    when the tensors cannot fit `tensor_budget` without it (a 32B on a 12 GB card)."""
+    from .formats import get_format, parse_formats
     from .sizes import priced_tensors
 
-    default = parse_formats(target.default_scan_formats)
+    menu = (target.whole_menu or target.default_scan_formats) if method == "adaptive" else target.default_scan_formats
+    names = menu.split(",")
+    if method != "adaptive":
+        own = {t for types in source.source_types().values() for t in types}
+        names += sorted((t for t in own if t in target.formats and t not in names and get_format(t).bits < 16),
+                        key=lambda t: -get_format(t).bits)
+    default = parse_formats(",".join(names))
     floor = sum(min(f.tensor_bytes(t.name, t.shape) for f in default) for t in priced_tensors(source))
-    if floor <= tensor_budget or not target.low_bit_scan_formats:
-        return target.default_scan_formats
-    return f"{target.default_scan_formats},{target.low_bit_scan_formats}"
+    if floor > tensor_budget and target.low_bit_scan_formats:
+        names += [f for f in target.low_bit_scan_formats.split(",") if f not in names]
+    return ",".join(names)
 
 
 def fit(model: str | Path | None = None, vram: str | int | None = None, context: int = 8192, batch: int = 1,
@@ -61,9 +69,12 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
         full_check: bool = False, check_tokens: int = 2048, device: str = "auto", progress: bool = True,
         log=print, refine: bool = False, refine_tokens: int | None = None, ray: str | None = None,
-        workers: int | None = None) -> dict:
+        workers: int | None = None, scan_method: str = "exact") -> dict:
     """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary.
-    With `ray`, the scan's group sweeps run on that Ray cluster (cluster.py); the rest stays here."""
+    `scan_method` "exact" measures every cell of the target's menu and the source's own types;
+    "adaptive" prices the target's whole menu by the weight signal and measures exactly the cells that
+    decide the plan at this budget. With `ray`, the scan's group sweeps run on that Ray cluster
+    (cluster.py), exactly; the rest stays here."""
     from .budget import budget as compute_budget
     from .budget import render_budget
     from .pack import pack, reserve_bytes, render_pack
@@ -75,6 +86,10 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     from .sources import open_model, runnable
     from .targets import all_targets, for_artifact
 
+    if scan_method not in ("adaptive", "exact"):
+        raise CardfitError(f"unknown --scan-method '{scan_method}'", "use --scan-method exact or adaptive")
+    if ray is not None and scan_method == "adaptive":
+        raise CardfitError("--ray spreads the exact scan's group sweeps", "drop --ray, or use --scan-method exact")
     if ray is None and workers is not None:
         raise CardfitError("--workers spreads the scan over Ray", "add --ray (local, auto or ADDRESS)")
     if ray is not None:  # refused before anything is written, as scan refuses it
@@ -101,14 +116,15 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
 
     reserve = reserve_bytes(source, runtime, scratch_dir=out)
     if formats is None:
-        formats = scan_menu(target, source, b.weight_budget_bytes - reserve)
-        if formats != target.default_scan_formats:
-            _say(log, f"the budget is below what {target.default_scan_formats} reach: scanning {formats}")
-    _say(log, f"\n== 2. scan ({max_tokens} calibration tokens; resumes {out / 'sensitivity.json'})")
+        formats = scan_menu(target, source, b.weight_budget_bytes - reserve, scan_method)
+        _say(log, f"scanning {formats}")
+    _say(log, f"\n== 2. scan ({scan_method}, {max_tokens} calibration tokens; resumes {out / 'sensitivity.json'})")
     map_path = out / "sensitivity.json"
     sensitivity = scan(model, calibration, max_tokens, formats, "layer", map_path,
                        resume=True, device=device, seq_len=seq_len, progress=progress,
-                       log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers)
+                       log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
+                       method=scan_method,
+                       weight_budgets=[b.weight_budget_bytes] if scan_method == "adaptive" else None)
     for warning in sensitivity["warnings"]:
         _say(log, f"warning: {warning}")
     plot_sensitivity(sensitivity, out / "sensitivity.png")
@@ -202,8 +218,12 @@ def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dic
              "| group | stored as | bytes | predicted damage | " + " | ".join(f"damage @ {f}" for f in formats) + " |",
              "|---|---|---|---|" + "---|" * len(formats)]
     cells = {g["name"]: g["cells"] for g in sensitivity["groups"]}
+    if any(c.get("method") == "estimate" for group in cells.values() for c in group.values()):
+        lines[-2:-2] = ["`~`: estimated from the weight signal (adaptive scan), not measured; every cell that "
+                        "decides the plan at this budget was measured.", ""]
     for g in recipe["groups"]:
-        row = " | ".join(f"{cells[g['name']][f]['damage']:.5f}" for f in formats)
+        row = " | ".join(("~" if cells[g["name"]][f].get("method") == "estimate" else "")
+                         + f"{cells[g['name']][f]['damage']:.5f}" for f in formats)
         stored = " + ".join(stored_types(g))
         lines.append(f"| {g['name']} | {stored} | {format_bytes(g['bytes'])} | {g['damage']:.5f} | {row} |")
     lines += ["", "## Artifact", "", f"`{artifact.name}` ({packed['format']}, {packed['method']} rounding): "

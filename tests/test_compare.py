@@ -84,7 +84,11 @@ def test_compare_with_imatrix_rounds_both_sides_and_measures_speed(tiny_model, t
     out = tmp_path / "cmp"
     result = compare(model_dir, out, None, ["Q4_0"], text=calib_text, max_tokens=128, seq_len=32, scan_tokens=128,
                      progress=False, log=None, imatrix=True, baselines=[])
-    assert read_map(out / "sensitivity-imatrix.json")["rounding"] == "imatrix"
+    from cardfit.targets import for_artifact
+
+    scanned = read_map(out / "sensitivity-imatrix.json")
+    assert scanned["rounding"] == "imatrix"
+    assert scanned["formats"] == for_artifact("gguf").whole_menu.split(",")  # every type, the own grid included
     assert result["rounding"] == "imatrix" and (out / "compare-imatrix.md").exists()
     # The preset was quantized with the imatrix: same types and sizes as plain Q4_0, different rounding.
     plain = llama_quantize(out / "f16.gguf", tmp_path / "plain.gguf", "Q4_0")

@@ -42,7 +42,8 @@ class Target:
     kv_dtypes: tuple[str, ...] = ("f16",)
     state_element_bytes: int = 2  # bytes per element of an SSM's recurrent state
     fused: tuple[tuple[str, ...], ...] = ()  # projections it runs as one kernel: they share one format
-    default_scan_formats: str = ""  # fit's scan menu
+    default_scan_formats: str = ""  # fit's exact scan menu (plus the source's own quantized types)
+    whole_menu: str = ""  # every type worth pricing: compare's map and fit --scan-method adaptive
     low_bit_scan_formats: str = ""  # added to fit's scan when the budget is below what the default menu reaches
     artifact_name: str = ""  # fit's file name for the artifact
     overhead_terms: Callable | None = None  # (geometry, vram, context, settings) -> {term: bytes}

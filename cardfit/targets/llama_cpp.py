@@ -33,6 +33,7 @@ def gguf_target(name: str, summary: str, **changes) -> Target:
     fields = dict(name=name, summary=summary, family="llama.cpp", formats=GGUF_TYPES, artifact="gguf",
                   pack_methods=("rtn", "imatrix"), kv_dtypes=("f32", "f16", "bf16", "q8_0", "q4_0"),
                   state_element_bytes=4, default_scan_formats="Q8_0,Q4_K,Q2_K",
+                  whole_menu="Q8_0,Q6_K,Q5_K,Q5_1,Q5_0,Q4_K,Q4_1,Q4_0,IQ4_XS,Q3_K,Q2_K",
                   low_bit_scan_formats="IQ3_XXS,IQ2_XXS,IQ1_M", artifact_name="model.gguf",
                   overhead_terms=llama_cpp_overhead, load=load_gguf)
     fields.update(changes)
