@@ -336,13 +336,12 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
         simple = recipe_row([shelf], preset, "uniform-body")
         say(simple)
         rows += [shelf, simple]
-        if weight_allocator:
-            allocator = recipe_row([shelf], preset, "weight-allocator")
+        allocator = recipe_row([shelf], preset, "weight-allocator") if weight_allocator else None
+        if allocator is not None:
             say(allocator)
             rows.append(allocator)
         mine = cardfit_row([shelf], preset)
-        for other, key in ((simple, "kld_vs_uniform_body"), (allocator if weight_allocator else None,
-                                                            "kld_vs_weight_allocator")):
+        for other, key in ((simple, "kld_vs_uniform_body"), (allocator, "kld_vs_weight_allocator")):
             if other is not None and "error" not in mine and "error" not in other and other["kld_mean"] > 0:
                 mine[key] = 1 - mine["kld_mean"] / other["kld_mean"]
         say(mine)

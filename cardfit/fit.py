@@ -51,9 +51,10 @@ def scan_menu(target, source, tensor_budget: int, method: str = "exact") -> str:
     from .formats import get_format, parse_formats
     from .sizes import priced_tensors
 
-    menu = (target.whole_menu or target.default_scan_formats) if method == "adaptive" else target.default_scan_formats
-    names = menu.split(",")
-    if method != "adaptive":
+    if method == "adaptive":
+        names = (target.whole_menu or target.default_scan_formats).split(",")
+    else:
+        names = target.default_scan_formats.split(",")
         own = {t for types in source.source_types().values() for t in types}
         names += sorted((t for t in own if t in target.formats and t not in names and get_format(t).bits < 16),
                         key=lambda t: -get_format(t).bits)

@@ -517,14 +517,16 @@ def _fast_cells(source, chunks, groups, todo, fmts, result, out, device, batch) 
 
     def price(fisher: dict[str, torch.Tensor]) -> None:
         for index in [i for i in pending if all(t.name in fisher for t in groups[i].quantizable)]:
-            for fmt in pending.pop(index):
-                damage = 0.0
-                for t in groups[index].quantizable:
-                    if fmt.storage(t.name, t.shape) == "F32":
-                        continue
-                    weight = source.read(t.name)
-                    damage += predicted_kl(fisher[t.name], weight, fmt.roundtrip(t.name, weight, None, "rtn"))
-                result["groups"][index]["cells"][fmt.name] = {"damage": damage, "stderr": None, "top1": None}
+            formats = pending.pop(index)
+            damage = dict.fromkeys((f.name for f in formats), 0.0)
+            for t in groups[index].quantizable:  # each tensor read once for all of the group's formats
+                weight = source.read(t.name)
+                for fmt in formats:
+                    if fmt.storage(t.name, t.shape) != "F32":
+                        damage[fmt.name] += predicted_kl(fisher[t.name], weight,
+                                                         fmt.roundtrip(t.name, weight, None, "rtn"))
+            for name, value in damage.items():
+                result["groups"][index]["cells"][name] = {"damage": value, "stderr": None, "top1": None}
 
     streamed_fisher(source, chunks, price, device=device, batch=batch)
     if pending:  # a group whose tensors the model does not run (none today): say so rather than leave holes
