@@ -68,9 +68,12 @@ def layer_flops(geometry, seq_len: int, layer_params: int) -> float:
     return 2 * layer_params + attention
 
 
-def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None = None) -> ScanEstimate:
+def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None = None,
+                  rounds_ahead: bool = False) -> ScanEstimate:
     """Counts of the scan `todo` will run (scan.py's walk) priced by unit times measured now, or by
-    given `units` (the same keys as _unit_seconds; bench/project_cluster.py prices other devices so)."""
+    given `units` (the same keys as _unit_seconds; bench/project_cluster.py prices other devices so).
+    Layers the engine keeps resident are read once; with `rounds_ahead` (scan.RoundedAhead: the next
+    sweep's copies rounded on a host thread) a group costs the longer of its rounding and its sweeps."""
     from .scan import copy_bytes, format_batches, measured_formats, pending_by_group
 
     engine, source = scanner.engine, scanner.source
@@ -83,11 +86,13 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     calibration_seconds = units.pop("_measured_in", 0.0)
 
     layer_forwards = head_forwards = layer_reads = quantizations = 0
-    quant_seconds = 0.0
-    def seconds_of(forwards, heads, reads, quantizing=0.0):
-        return (forwards * units["layer_forward"] + heads * units["head_forward"] + reads * units["layer_read"]
-                + quantizing)
 
+    def seconds_of(forwards, heads, reads):
+        return forwards * units["layer_forward"] + heads * units["head_forward"] + reads * units["layer_read"]
+
+    layer_device_bytes = sum(t.numel for t in source.groups()[GroupId.layer_group(0)]) * \
+        torch.empty((), dtype=engine.dtype).element_size()
+    kept = min(layers, engine.stream.keep_bytes // max(1, layer_device_bytes))  # the first ones walked stay
     layer_forwards += layers * batches  # the reference
     head_forwards += batches
     layer_reads += layers
@@ -107,14 +112,14 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
             quantizing += units["quantize_per_param"].get(f.name, 0.0) * params
         if any(f.method_for(scanner.rounding) != "rtn" for f in measured) and 0 <= group.start < layers:
             forwards += batches
-            reads += 1
+            reads += int(group.start >= kept)
         for sweep in format_batches(group, measured, limit):
-            reads += layers - start
+            reads += layers - max(start, kept)
             forwards += (layers - start) * batches * len(sweep)
             heads += batches * len(sweep) * (1 if scanner.keep_reference else 2)
         layer_forwards, head_forwards, layer_reads = layer_forwards + forwards, head_forwards + heads, layer_reads + reads
-        quant_seconds += quantizing
-        group_seconds.append(seconds_of(forwards, heads, reads, quantizing))
+        device_part = seconds_of(forwards, heads, reads)
+        group_seconds.append(max(device_part, quantizing) if rounds_ahead else device_part + quantizing)
     layer_params = _layer_params(source)
     head_params = geometry.vocab_size * geometry.hidden_size
     per_token = layer_flops(geometry, chunk.shape[1], layer_params)
@@ -125,8 +130,8 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     moved = bytes_read + layer_forwards * hidden_bytes * (2 if engine.device.type == "cuda" else 0)
     activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
     reference = tokens * geometry.vocab_size * 4 if scanner.keep_reference else 0
-    peak = activations + reference + limit + 2 * layer_params * 4 + 2 * head_params * 4
-    seconds = seconds_of(layer_forwards, head_forwards, layer_reads, quant_seconds)
+    peak = activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
+    seconds = reference_seconds + sum(group_seconds)
     return ScanEstimate(layer_forwards, head_forwards, layer_reads, quantizations, flops, bytes_read, moved, peak,
                         seconds, calibration_seconds, units, reference_seconds, group_seconds)
 

@@ -37,6 +37,9 @@ def streamed_fisher(source, chunks: torch.Tensor, on_group: Callable[[dict[str, 
     from .heap import map_large_blocks
     from .runner import StreamedModel
 
+    from .checkpoint_map import refuse_expert_statistics
+
+    refuse_expert_statistics([t.name for t in source.tensors()], "the fast signal's Fisher")
     map_large_blocks()  # big temporaries go back to the system when freed, not into a growing heap
     model = StreamedModel(source, device=device, dtype=torch.float32)
     try:

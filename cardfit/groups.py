@@ -2,8 +2,9 @@
 
 A group is what cardfit prices and chooses a format for: the token embedding (`embed`), a
 decoder layer (`layers.N`), the final norm (`norm`), an untied output matrix (`lm_head`), and,
-with `--group-by tensor`, one matrix (named by the tensor itself) or the 1-D tensors of a layer
-(`layers.N.fixed`). `GroupId` is a `str` — maps, recipes and dictionaries keep the names they
+with `--group-by tensor`, one matrix (named by the tensor itself), one projection's routed-expert
+stack of an MoE layer (named `...experts.<proj>.weight`: one GGUF `ffn_<proj>_exps` tensor holds every
+expert, so they take one type) or the 1-D tensors of a layer (`layers.N.fixed`). `GroupId` is a `str` — maps, recipes and dictionaries keep the names they
 always had, byte for byte — that also knows what it names: `kind`, `layer`, `tensor`.
 """
 
@@ -77,6 +78,19 @@ EMBED = GroupId(EMBED_KIND)
 NORM = GroupId(NORM_KIND)
 LM_HEAD = GroupId(HEAD_KIND)
 OTHER = GroupId(OTHER_KIND)
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_stack(tensor_name: str) -> tuple[str, int] | None:
+    """(its stack's name, the expert's index) for one routed expert's matrix (`...experts.<e>.<proj>.weight`:
+    every expert of a layer's projection is stacked into one tensor by llama.cpp's converter and by
+    transformers' fused modules); None for any other tensor."""
+    match = _EXPERT.search(tensor_name)
+    if match is None:
+        return None
+    return tensor_name[:match.start()] + ".experts." + tensor_name[match.end():], int(match.group(1))
 
 
 def group_of(tensor_name: str) -> GroupId:

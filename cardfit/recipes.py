@@ -9,7 +9,7 @@ from .errors import CardfitError
 from .formats import Format, get_format
 from .maps import check_map_model, read_json
 from .sizes import priced_tensors
-from .groups import EMBED, LM_HEAD, GroupId
+from .groups import EMBED, LM_HEAD, GroupId, expert_stack
 from .sources import ModelSource
 
 
@@ -40,7 +40,8 @@ def tensor_formats(recipe: dict, source: ModelSource) -> dict[str, Format]:
         if group == LM_HEAD and source.tied_embeddings:
             group = EMBED
         fixed = GroupId.fixed_group(t.group.layer) if len(t.shape) < 2 and t.group.layer is not None else None
-        for key in (t.name, fixed, group):
+        stack = expert_stack(t.name)
+        for key in (t.name, stack and stack[0], fixed, group):
             if key is not None and key in chosen:
                 out[t.name] = chosen[key]
                 break

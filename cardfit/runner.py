@@ -54,6 +54,12 @@ class StreamedModel:
         self.decoder = self.model.model
         self.layers = self.decoder.layers
         self.groups = source.groups()
+        from .checkpoint_map import placements
+
+        # checkpoint name -> its place in the module tree (an expert's slice of a fused parameter)
+        self.place = placements(config.model_type, [t.name for ts in self.groups.values() for t in ts],
+                                {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+                                | {n for n, _ in self.model.named_buffers()})
         self.tied = source.tied_embeddings
         self.keep_bytes = keep_bytes
         self.prefetching = prefetch
@@ -67,6 +73,21 @@ class StreamedModel:
     # -- weights --------------------------------------------------------------------------------------
     def group_tensors(self, group: str) -> list[str]:
         return [t.name for t in self.groups.get(group, [])]
+
+    def group_params(self, group: str) -> list[str]:
+        """The module parameters the group's checkpoint tensors fill (a fused expert stack once)."""
+        return list(dict.fromkeys(self.place[n].param for n in self.group_tensors(group)))
+
+    def _materialized(self, param: str, dtype: torch.dtype) -> torch.Tensor:
+        """A fused parameter allocated on the device, for its slices to be written into."""
+        from accelerate.utils import set_module_tensor_to_device
+
+        tensor = self.model.get_parameter(param)
+        if tensor.device.type == "meta":
+            set_module_tensor_to_device(self.model, param, self.device,
+                                        value=torch.empty(tensor.shape, dtype=dtype, device=self.device))
+            tensor = self.model.get_parameter(param)
+        return tensor
 
     def group_dtype(self, group: str) -> torch.dtype:
         return torch.float32 if group in HEAD_GROUPS else self.dtype
@@ -96,7 +117,11 @@ class StreamedModel:
         values = future.result() if future is not None else self._read_group(group)
         dtype = self.group_dtype(group)
         for name, value in values.items():
-            set_module_tensor_to_device(self.model, name, self.device, value=value, dtype=dtype)
+            place = self.place[name]
+            if place.whole:
+                set_module_tensor_to_device(self.model, place.param, self.device, value=value, dtype=dtype)
+            else:
+                place.view(self._materialized(place.param, dtype).data).copy_(value)
         if group == EMBED and self.tied:
             self.model.lm_head.weight = self.decoder.embed_tokens.weight
         self._loaded.add(group)
@@ -107,10 +132,18 @@ class StreamedModel:
         saved = {}
         dtype = self.group_dtype(group)
         for name in self.group_tensors(group):
-            if name in overrides:
-                param = self.model.get_parameter(name)
-                saved[name] = param.data
+            if name not in overrides:
+                continue
+            place = self.place[name]
+            param = self.model.get_parameter(place.param)
+            if place.whole:
+                saved[place.param] = param.data
                 param.data = overrides[name].to(self.device, dtype)
+                continue
+            if place.param not in saved:  # a fused stack: the original stays intact for swap_out
+                saved[place.param] = param.data
+                param.data = param.data.clone()
+            place.view(param.data).copy_(overrides[name])
         return saved
 
     def swap_out(self, saved: Mapping[str, torch.Tensor]) -> None:
@@ -124,11 +157,11 @@ class StreamedModel:
 
         if group in self._kept:
             return
-        size = sum(self.model.get_parameter(n).nbytes for n in self.group_tensors(group))
+        size = sum(self.model.get_parameter(n).nbytes for n in self.group_params(group))
         if GroupId(group).in_layer and sum(self._kept.values()) + size <= self.keep_bytes:
             self._kept[group] = size
             return
-        for name in self.group_tensors(group):
+        for name in self.group_params(group):
             set_module_tensor_to_device(self.model, name, "meta")
         if group == EMBED and self.tied:
             self.model.lm_head.weight = self.decoder.embed_tokens.weight

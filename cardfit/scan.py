@@ -35,7 +35,7 @@ from .formats import Calibration, Format, parse_formats
 from .heap import map_large_blocks, return_freed_memory
 from .metrics import DistanceMeter, kl_from_logprobs, target_nll
 from .schemas import KL_METRIC, MAP_VERSION, model_header
-from .groups import EMBED, LM_HEAD, NORM, GroupId
+from .groups import EMBED, LM_HEAD, NORM, GroupId, expert_stack
 from .sources import ModelSource, open_model, runnable
 from .text import load_text, text_hash, token_chunks
 from .weight_signal import METRIC as WEIGHT_METRIC
@@ -67,7 +67,12 @@ def scan_groups(source: ModelSource, group_by: str) -> list[Group]:
         group = GroupId(name)
         start = -1 if group == EMBED else layers if group in (NORM, LM_HEAD) else group.layer
         if group.kind == "layer" and group_by == "tensor":
-            out += [Group(t.name, [t], start) for t in tensors if len(t.shape) >= 2]
+            stacks: dict[str, list] = {}  # an MoE projection's experts: one group, as one GGUF tensor
+            for t in tensors:
+                if len(t.shape) >= 2:
+                    stack = expert_stack(t.name)
+                    stacks.setdefault(t.name if stack is None else stack[0], []).append(t)
+            out += [Group(name, members, start) for name, members in stacks.items()]
             fixed = [t for t in tensors if len(t.shape) < 2]
             if fixed:
                 out.append(Group(GroupId.fixed_group(group.layer), fixed, start))
@@ -138,12 +143,19 @@ class Scanner:
                     for start in range(0, h.shape[1], LOGIT_POSITIONS):
                         logits = self.stream.logits(h[r:r + 1, start:start + LOGIT_POSITIONS])
                         if self.keep_reference:  # what every cell compares against, computed once
-                            self.ref_logits[(b, r, start)] = (torch.log_softmax(logits, dim=-1).cpu(),
-                                                              logits.argmax(-1).cpu())
+                            self.ref_logits[(b, r, start)] = (self._held(torch.log_softmax(logits, dim=-1)),
+                                                              self._held(logits.argmax(-1)))
                         targets = ids[r:r + 1, start + 1:start + 1 + LOGIT_POSITIONS]
                         meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
                         meter.nll_tokens += targets.numel()
         return meter
+
+    def _held(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A reference tensor kept on the host; page-locked when the engine computes on CUDA, so every
+        cell's copy back to the device is a DMA transfer rather than a staged one."""
+        if self.engine.device.type != "cuda":
+            return tensor.cpu()
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
 
     def calibration(self, group: Group, formats: list[Format]) -> dict[str, Calibration]:
         """Statistics each tensor of the group needs to be rounded in `formats` (the scan's rounding, or
@@ -216,13 +228,15 @@ class Scanner:
                     end = start + LOGIT_POSITIONS
                     q = q_head(h[r:r + 1, start:end])
                     if self.keep_reference:
-                        ref_logprobs, ref_top = (t.to(q.device) for t in self.ref_logits[(b, r, start)])
+                        ref_logprobs, ref_top = (t.to(q.device, non_blocking=True)
+                                                 for t in self.ref_logits[(b, r, start)])
                     else:
                         ref = ref_head(final[r:r + 1, start:end])
                         ref_logprobs, ref_top = torch.log_softmax(ref, dim=-1), ref.argmax(-1)
-                    kl.append(kl_from_logprobs(ref_logprobs, q).cpu())
-                    agree.append((ref_top == q.argmax(-1)).cpu())
-                meter.record(torch.cat(kl, -1), torch.cat(agree, -1))
+                    kl.append(kl_from_logprobs(ref_logprobs, q))
+                    agree.append(ref_top == q.argmax(-1))
+                # one copy to the host per sequence: each copy waits for the device
+                meter.record(torch.cat(kl, -1).cpu(), torch.cat(agree, -1).cpu())
         return meter
 
 
@@ -327,6 +341,11 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
     source = runnable(source)
+    statistics = sorted({f.method_for(rounding) for f in fmts} - {"rtn"}) + ([method] if method != "exact" else [])
+    if statistics:  # before anything is measured or written
+        from .checkpoint_map import refuse_expert_statistics
+
+        refuse_expert_statistics([t.name for t in source.tensors()], " and ".join(statistics))
     text, text_path = load_text(calibration)
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path))
@@ -379,7 +398,8 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         from .estimate import estimate_scan
 
         try:
-            guess = estimate_scan(scanner, groups, todo, limit, fmts)
+            guess = estimate_scan(scanner, groups, todo, limit, fmts,
+                                  rounds_ahead=ray is None and RoundedAhead.applies(scanner, fmts, memory_cap))
         finally:
             if estimate:
                 cache.close()
@@ -415,7 +435,12 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                 bar.close()
     bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
     sweeps = 0
+    ahead = None
     try:
+        if RoundedAhead.applies(scanner, fmts, memory_cap):
+            ahead = RoundedAhead(scanner, [(groups[i], sweep) for i, pending in pending_by_group(todo).items()
+                                           for sweep in format_batches(groups[i], measured_formats(groups[i], pending),
+                                                                       limit)])
         ref = scanner.reference()
         return_freed_memory()
         result["reference"] = {"perplexity": round(ref.perplexity, 6)}
@@ -428,10 +453,12 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                 if bar:
                     bar.update(len(cells))
 
-            cells = measure_group(scanner, groups[i], pending, limit, sweep_done, bar)
+            cells = measure_group(scanner, groups[i], pending, limit, sweep_done, bar, ahead)
             sweeps += cells.sweeps
             entry["cells"] = in_map_order(entry["cells"], fmts)
     finally:
+        if ahead:
+            ahead.close()
         cache.close()
         engine.close()
         if bar:
@@ -452,13 +479,55 @@ class GroupCells(dict):
     sweeps = 0
 
 
+class RoundedAhead:
+    """Rounds the next sweep's copies on a host thread while the device measures this one. Measured on
+    an H200 (docs/benchmarks.md), a float32 scan of the 1.5B spent about half its time in ggml's CPU
+    quantizers with the GPU idle. Only round-to-nearest sweeps (any other rounding reads statistics the
+    device computes for that group first), one sweep ahead: at most two sweeps' copies held. The copies
+    are the same bits whichever thread rounds them."""
+
+    def __init__(self, scanner: Scanner, sweeps: list[tuple[Group, list[Format]]]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.scanner, self.sweeps, self.next = scanner, sweeps, 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-ahead")
+        self.pending = self._submit(0)
+
+    @staticmethod
+    def applies(scanner: Scanner, formats: list[Format], memory_cap: int | None) -> bool:
+        """On CUDA without a memory cap (a cap is a promise about what is held at once)."""
+        return (scanner.engine.device.type == "cuda" and memory_cap is None
+                and all(f.method_for(scanner.rounding) == "rtn" for f in formats))
+
+    def _submit(self, index: int):
+        if index >= len(self.sweeps):
+            return None
+        group, formats = self.sweeps[index]
+        return self.pool.submit(lambda: {f.name: self.scanner.quantized(group, f, {}) for f in formats})
+
+    def take(self, group: Group, formats: list[Format]) -> dict[str, dict[str, torch.Tensor]] | None:
+        """The copies of this sweep if they are the next ones rounded ahead, else None."""
+        if self.next >= len(self.sweeps):
+            return None
+        planned_group, planned_formats = self.sweeps[self.next]
+        if planned_group is not group or [f.name for f in planned_formats] != [f.name for f in formats]:
+            return None
+        variants = self.pending.result()
+        self.next += 1
+        self.pending = self._submit(self.next)
+        return variants
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def measure_group(scanner: Scanner, group: Group, pending: list[Format], limit: int,
-                  sweep_done=None, bar=None) -> GroupCells:
+                  sweep_done=None, bar=None, ahead: RoundedAhead | None = None) -> GroupCells:
     """Every pending cell of one group: formats that store nothing quantized cost 0; the rest are
     measured in sweeps of at most `limit` bytes of quantized copies, with the group's calibration
     statistics computed once. `sweep_done(cells)` sees each sweep's cells (the free ones first) as
     soon as they exist, so a caller can checkpoint them. The single-process scan and each Ray task
-    run exactly this, so their cells are the same bits."""
+    run exactly this, so their cells are the same bits; `ahead` may hand over copies rounded earlier."""
     cells = GroupCells()
     measured = measured_formats(group, pending)
     free = {f.name: {"damage": 0.0, "stderr": 0.0, "top1": 1.0} for f in pending if f not in measured}
@@ -471,8 +540,10 @@ def measure_group(scanner: Scanner, group: Group, pending: list[Format], limit: 
         cells.sweeps += 1
         if bar:
             bar.set_description(f"{group.name} @ {','.join(f.name for f in sweep_formats)}")
-        with scanner.engine.quantizers():
-            variants = {f.name: scanner.quantized(group, f, calibration_stats) for f in sweep_formats}
+        variants = ahead.take(group, sweep_formats) if ahead else None
+        if variants is None:
+            with scanner.engine.quantizers():
+                variants = {f.name: scanner.quantized(group, f, calibration_stats) for f in sweep_formats}
         meters = scanner.sweep(group, variants)
         del variants
         swept = {}

@@ -15,8 +15,8 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     """A random model of a real architecture, with SmolLM2's tokenizer so text can be fed to it."""
     import shutil
 
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     from cardfit.default_model import default_model_dir
 
@@ -56,6 +56,18 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
         config = Qwen2Config(**{**common, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=True)
     elif kind == "llama-wide":  # rows that group 128 divides, as in every real model
         config = LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=True)
+    elif kind == "qwen3-moe":  # 4 routed experts, 2 per token, renormalised (as Qwen3-30B-A3B's config says)
+        config = Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                norm_topk_prob=True, tie_word_embeddings=False)
+    elif kind == "qwen3-moe-unnormalised":  # transformers' default, which llama.cpp's qwen3moe does not compute
+        config = Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                tie_word_embeddings=False)
+    elif kind == "qwen2-moe":  # routed experts beside a gated shared expert
+        config = Qwen2MoeConfig(**common, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                                num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    elif kind == "mixtral":  # block_sparse_moe.experts.<e>.w1/w2/w3 in the checkpoint
+        config = MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
+                               tie_word_embeddings=False, sliding_window=None)
     else:
         raise ValueError(kind)
     if sharp:

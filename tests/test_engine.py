@@ -111,6 +111,36 @@ def test_estimate_writes_nothing(tiny_models, tmp_path, calib_text):
     assert not out.exists()
 
 
+def test_estimate_reads_resident_layers_once_and_overlaps_rounding(tiny_models, tmp_path, calib_text,
+                                                                   monkeypatch):
+    """Priced with fixed unit times: layers the engine keeps resident (as on a GPU with room) are read by
+    the reference pass alone; with the next sweep rounded ahead, a group costs the longer of its rounding
+    and its sweeps, not their sum."""
+    from cardfit import engine as engine_module
+    from cardfit import estimate as estimate_module
+    from cardfit import scan as scan_module
+
+    units = {"layer_read": 1.0, "layer_forward": 0.25, "head_forward": 0.5,
+             "quantize_per_param": {"Q8_0": 1e-5, "Q2_K": 2e-5}, "_measured_in": 0.0}
+    monkeypatch.setattr(estimate_module, "_unit_seconds", lambda scanner, formats: dict(units))
+
+    def guess():
+        return scan_module.scan(tiny_models["llama"], calib_text, 256, "Q8_0,Q2_K", out=tmp_path / "m.json",
+                                seq_len=64, progress=False, device="cpu", estimate=True)["estimate"]
+
+    layers = open_model(tiny_models["llama"]).geometry.num_layers
+    streamed = guess()
+    monkeypatch.setattr(engine_module, "default_keep_bytes", lambda *a: 1 << 40)
+    resident = guess()
+    assert streamed["layer_reads"] > layers and resident["layer_reads"] == layers
+    monkeypatch.setattr(scan_module.RoundedAhead, "applies", staticmethod(lambda *a: True))
+    ahead = guess()
+    assert ahead["reference_seconds"] == resident["reference_seconds"]
+    for overlapped, summed in zip(ahead["group_seconds"], resident["group_seconds"], strict=True):
+        assert summed / 2 <= overlapped < summed  # max(a, b) of a sum a + b with both parts > 0
+    assert ahead["seconds"] == pytest.approx(ahead["reference_seconds"] + sum(ahead["group_seconds"]))
+
+
 @cuda
 def test_cuda_forward_matches_the_cpu(tiny_models):
     source = open_model(tiny_models["qwen2"])

@@ -198,6 +198,23 @@ def test_fallback_rule_is_the_bundled_llama_cpp_s(type_name, odd_rows_gguf, tmp_
         assert len(stored - {"F32", "F16", type_name}) == 1  # the 96-wide rows took a 32-block type
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "IQ4_NL"])
+def test_row_spans_on_threads_give_the_bytes_of_one_call(type_name, monkeypatch):
+    """Quantization spread over threads in row spans (37 rows over 3 workers: spans of 13, 13 and 11)
+    writes exactly what one ggml call writes."""
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((37, 512)).astype(np.float32)
+    imatrix = rng.random(512).astype(np.float32) + 0.1
+    monkeypatch.setattr(ggml_lib, "_cores", lambda: 1)
+    assert ggml_lib._row_spans(37, 512) == [(0, 37)]
+    whole = ggml_lib.quantize(type_name, rows, imatrix)
+    monkeypatch.setattr(ggml_lib, "_cores", lambda: 3)
+    monkeypatch.setattr(ggml_lib, "PARALLEL_MIN_VALUES", 0)
+    assert ggml_lib._row_spans(37, 512) == [(0, 13), (13, 13), (26, 11)]
+    spread = ggml_lib.quantize(type_name, rows, imatrix)
+    assert spread.tobytes() == whole.tobytes()
+
+
 def test_roundtrip_error_shrinks_with_bits():
     torch.manual_seed(1)
     w = torch.randn(32, 1024)

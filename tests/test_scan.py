@@ -107,6 +107,28 @@ def test_activations_spill_to_disk_under_a_memory_cap(tiny_models, tmp_path):
     assert not any(p.name.startswith("cardfit-acts-") for p in tmp_path.iterdir())  # spill dir cleaned
 
 
+def test_rounding_ahead_on_a_thread_gives_the_same_map(tiny_models, tmp_path, monkeypatch):
+    """On CUDA the next sweep's copies are rounded on a host thread during this sweep; forced on here,
+    the map is the same bytes, and every measured sweep took its copies from that thread."""
+    from cardfit import scan as scan_module
+
+    text = small_text(tmp_path)
+    run_scan(tiny_models["qwen2"], text, tmp_path / "inline.json")
+    taken = []
+    original_take = scan_module.RoundedAhead.take
+
+    def take(self, group, formats):
+        variants = original_take(self, group, formats)
+        taken.append(variants is not None)
+        return variants
+
+    monkeypatch.setattr(scan_module.RoundedAhead, "applies", staticmethod(lambda *a: True))
+    monkeypatch.setattr(scan_module.RoundedAhead, "take", take)
+    run_scan(tiny_models["qwen2"], text, tmp_path / "ahead.json")
+    assert (tmp_path / "inline.json").read_bytes() == (tmp_path / "ahead.json").read_bytes()
+    assert taken and all(taken)
+
+
 @pytest.mark.parametrize("problem,args,needle", [
     ("missing", ["--calibration", "/nonexistent.txt"], "no text file"),
     ("format", ["--formats", "Q8_0,Q9_Z"], "unknown format 'Q9_Z'"),

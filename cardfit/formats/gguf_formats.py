@@ -23,6 +23,21 @@ IMATRIX_TYPES = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 STORAGE_TYPES = ("F32",) + GGUF_TYPES  # what a tensor cardfit writes can be stored as (1-D tensors stay F32)
 
 
+def _router_pattern():
+    """An MoE router (llama.cpp's `ffn_gate_inp`) under any of the checkpoint names gguf-py maps to it:
+    llama.cpp's converter writes it F32 and its quantize never rounds it ("do not quantize expert gating
+    tensors", src/llama-quant.cpp)."""
+    import re
+
+    from gguf.tensor_mapping import TensorNameMap
+
+    names = TensorNameMap.block_mappings_cfg[gguf.MODEL_TENSOR.FFN_GATE_INP]
+    return re.compile("|".join(re.escape(n).replace(re.escape("{bid}"), r"\d+") + r"\.weight$" for n in names))
+
+
+ROUTER = _router_pattern()
+
+
 def ggml_type(type_name: str) -> gguf.GGMLQuantizationType:
     """The ggml type (enum ggml_type) of a type name, from gguf-py."""
     return gguf.GGMLQuantizationType[type_name]
@@ -85,8 +100,8 @@ class GgmlFormat(Format):
         self.bits = size * 8 / block
 
     def storage(self, name: str, shape: tuple[int, ...]) -> str:
-        if len(shape) < 2 or "norm" in name:
-            return "F32"  # llama.cpp quantizes only matrices; its converter writes 1-D tensors as F32
+        if len(shape) < 2 or "norm" in name or ROUTER.search(name):
+            return "F32"  # llama.cpp quantizes only matrices, and no router; its converter writes those F32
         return storage_type(self.name, shape[-1])
 
     def tensor_bytes(self, name: str, shape: tuple[int, ...]) -> int:

@@ -69,6 +69,14 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
         raise CardfitError(f"{out} exists", "pass --force to replace it, or choose another --out")
     source = runnable(source)
     check_model(data, source)
+    from ..checkpoint_map import refuse_expert_statistics
+    from ..groups import expert_stack
+
+    if fmt != "gguf" and any(expert_stack(t.name) for t in source.tensors()):
+        raise CardfitError("cardfit does not pack routed experts as compressed-tensors yet (such an artifact "
+                           "does not run back in transformers)", "plan for llama.cpp and pack as --format gguf")
+    if method != "rtn" or imatrix is not None:
+        refuse_expert_statistics([t.name for t in source.tensors()], f"{method} rounding")
     formats = tensor_formats(data, source)
     budget = int(data["budget"]["weight_budget_bytes"])
     if imatrix is not None:

@@ -22,7 +22,11 @@ from ..errors import CardfitError
 
 # HF model_type -> llama.cpp architecture name
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-             "gemma3_text": "gemma3", "phi3": "phi3"}
+             "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+             "qwen3_moe": "qwen3moe"}
+# Whether llama.cpp renormalises the chosen experts' weights to sum to one, per architecture (its graph
+# hard-codes it: llama (Mixtral) and qwen3moe do, qwen2moe does not); a config asking otherwise is refused.
+EXPERT_WEIGHTS_NORMALISED = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 
 
 @dataclass
@@ -53,6 +57,11 @@ class ArchSpec:
         return spec
 
     # -- hyper-parameters ---------------------------------------------------------------------------
+    @property
+    def experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model)."""
+        return int(self.config.get("num_experts") or self.config.get("num_local_experts") or 0)
+
     @property
     def n_head(self) -> int:
         return int(self.config["num_attention_heads"])
@@ -120,6 +129,8 @@ class ArchSpec:
             if not long or not short or len(long) != len(short) or 2 * len(long) != self.rope_dims:
                 raise CardfitError("this Phi-3 config's longrope factors do not match its rotary dimensions "
                                    f"({self.rope_dims // 2} each expected)", "restore the model's config.json")
+        if self.experts:
+            self.refuse_moe_llama_cpp_computes_differently()
         if self.arch == "gemma3":
             layers = int(cfg["num_hidden_layers"])
             types = cfg.get("layer_types")
@@ -135,6 +146,17 @@ class ArchSpec:
                 raise CardfitError("Gemma 3 with logit soft-capping is not packed to GGUF by cardfit",
                                    "pack it as --format compressed-tensors")
 
+    def refuse_moe_llama_cpp_computes_differently(self) -> None:
+        cfg = self.config
+        normalised = cfg.get("norm_topk_prob", self.arch == "llama")  # Mixtral renormalises, no flag
+        if bool(normalised) != EXPERT_WEIGHTS_NORMALISED[self.arch]:
+            does = "renormalises" if EXPERT_WEIGHTS_NORMALISED[self.arch] else "does not renormalise"
+            raise CardfitError(f"llama.cpp's {self.arch} {does} the chosen experts' weights; this config's "
+                               f"norm_topk_prob is {normalised}", "pack it as --format compressed-tensors")
+        if int(cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
+            raise CardfitError("this MoE config mixes dense and expert layers, which llama.cpp's "
+                               f"{self.arch} does not", "pack it as --format compressed-tensors")
+
     def metadata(self, writer) -> None:
         """Architecture keys, exactly the ones llama.cpp's loader reads for this family."""
         cfg = self.config
@@ -147,15 +169,22 @@ class ArchSpec:
         writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
         writer.add_rope_freq_base(self.rope_theta)
         writer.add_vocab_size(int(cfg["vocab_size"]))
-        if self.arch in ("llama", "qwen2", "qwen3"):
+        if self.arch in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"):
             writer.add_rope_dimension_count(self.head_dim)
+        if self.experts:  # as llama.cpp's converters write them
+            writer.add_expert_count(self.experts)
+            writer.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+            if cfg.get("moe_intermediate_size"):
+                writer.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+            if cfg.get("shared_expert_intermediate_size"):
+                writer.add_expert_shared_feed_forward_length(int(cfg["shared_expert_intermediate_size"]))
         if self.arch == "phi3":  # as llama.cpp's Phi-3 converter writes them
             writer.add_rope_dimension_count(self.rope_dims)
             writer.add_rope_scaling_orig_ctx_len(self.original_context)
             writer.add_sliding_window(int(cfg.get("sliding_window") or 0))  # 0: no window (Phi-4)
             if self.longrope:
                 writer.add_rope_scaling_attn_factors(self.longrope_attention_factor)
-        if self.head_dim != int(cfg["hidden_size"]) // self.n_head or self.arch in ("gemma3", "qwen3"):
+        if self.head_dim != int(cfg["hidden_size"]) // self.n_head or self.arch in ("gemma3", "qwen3", "qwen3moe"):
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
         if self.arch == "gemma3":

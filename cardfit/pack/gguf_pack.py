@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import CardfitError
 from ..formats import GgmlFormat
 from ..formats.gguf_formats import ggml_tensor_bytes, ggml_type, llama_file_type
-from ..groups import LM_HEAD, GroupId, group_of
+from ..groups import LM_HEAD, GroupId, expert_stack, group_of
 from ..sources import ModelSource
 from .gguf_arch import ArchSpec
 from .gguf_vocab import add_vocab, loadable_name
@@ -32,20 +32,46 @@ def ordered_tensors(source: ModelSource, formats: dict) -> list:
 
 
 class GgufPlan:
-    """Every tensor's GGUF name, type and bytes, decided before any weight is read."""
+    """Every tensor's GGUF name, type and bytes, decided before any weight is read. An entry's
+    checkpoint names are one tensor's, or every expert's of one stack (in expert order)."""
 
     def __init__(self, source: ModelSource, formats: dict):
         self.spec = ArchSpec.for_config(source.config)
-        self.entries = []  # (hf name, gguf name, storage type, shape, nbytes)
+        self.entries = []  # (checkpoint names, gguf name, storage type, shape, nbytes)
+        stacks: dict[str, list] = {}
         for t in ordered_tensors(source, formats):
             fmt = formats[t.name]
             if not isinstance(fmt, GgmlFormat):
                 raise CardfitError(f"format {fmt.name} of {t.name} is not a GGUF type",
                                    "plan from a llama.cpp map, or pack with --format compressed-tensors")
             storage = fmt.storage(t.name, t.shape)
-            self.entries.append((t.name, self.spec.tensor_name(t.name), storage, t.shape,
-                                 ggml_tensor_bytes(storage, t.shape)))
+            stack = expert_stack(t.name)
+            if stack is None:
+                self.entries.append(((t.name,), self.spec.tensor_name(t.name), storage, t.shape,
+                                     ggml_tensor_bytes(storage, t.shape)))
+                continue
+            if stack[0] not in stacks:
+                stacks[stack[0]] = []
+                self.entries.append(stack[0])  # its place in the write order, filled in below
+            stacks[stack[0]].append((stack[1], t, storage))
+        self.entries = [e if isinstance(e, tuple) else self._stacked(e, stacks[e]) for e in self.entries]
         self.extra = self.spec.extra_tensors()
+
+    def _stacked(self, stack: str, experts: list) -> tuple:
+        experts = sorted(experts, key=lambda e: e[0])
+        if [e[0] for e in experts] != list(range(len(experts))):
+            raise CardfitError(f"{stack}: the checkpoint's experts are not numbered 0..{len(experts) - 1}",
+                               "restore the model's original weights")
+        storages = {e[2] for e in experts}
+        shapes = {tuple(e[1].shape) for e in experts}
+        if len(storages) > 1 or len(shapes) > 1:
+            raise CardfitError(f"{stack}: one GGUF tensor holds every expert, so they need one type "
+                               f"(the recipe gives {', '.join(sorted(storages))})",
+                               "plan with --group-by layer, which keeps an expert stack in one group")
+        shape = (len(experts), *shapes.pop())
+        storage = storages.pop()
+        return (tuple(e[1].name for e in experts), self.spec.tensor_name(stack), storage, shape,
+                ggml_tensor_bytes(storage, shape))
 
     @property
     def tensor_bytes(self) -> int:
@@ -124,7 +150,8 @@ def write_gguf(path, source: ModelSource, formats: dict, budget: int | None, met
                            "re-plan with the metadata reserved (cardfit plan --model), or raise the budget")
     _check_free_space(path, predicted - fout.tell())
     current_layer, stats = None, {}
-    for hf_name, gguf_name, storage, shape, nbytes in plan.entries:
+    for hf_names, gguf_name, storage, shape, nbytes in plan.entries:
+        hf_name = hf_names[0]
         layer = _layer_index(hf_name)
         if calibration is not None:
             if layer != current_layer:
@@ -134,14 +161,21 @@ def write_gguf(path, source: ModelSource, formats: dict, budget: int | None, met
                 current_layer = layer
             if group_of(hf_name) == LM_HEAD:
                 stats = {hf_name: calibration.head_statistics()}  # the final norm's output, what it multiplies
-        weight = plan.spec.transform(hf_name, source.read(hf_name))
         fmt = formats[hf_name]
         rounding = fmt.method_for(method)
-        actual, raw = fmt.quantize(hf_name, weight, stats.get(hf_name), rounding)
-        if actual != storage or raw.nbytes != nbytes:
-            raise RuntimeError(f"{hf_name}: planned {storage}/{nbytes} B, quantized {actual}/{raw.nbytes} B")
+        parts = []
+        for part in hf_names:  # one tensor, or a stack's experts in order (ggml's rows run on across them)
+            weight = plan.spec.transform(part, source.read(part))
+            actual, raw = fmt.quantize(part, weight, stats.get(part), rounding)
+            if actual != storage:
+                raise RuntimeError(f"{part}: planned {storage}, quantized {actual}")
+            parts.append(raw)
+            del weight
+        raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if raw.nbytes != nbytes:
+            raise RuntimeError(f"{gguf_name}: planned {nbytes} B, quantized {raw.nbytes} B")
         _write(writer, raw)
-        del weight, raw
+        del raw, parts
         if progress:
             progress(gguf_name)
     for array in plan.extra.values():

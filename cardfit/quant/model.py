@@ -32,6 +32,9 @@ class _LinearStats:
         self._hooks = []
         self._first = True
         self._alive: list[torch.Tensor] = []
+        from ..checkpoint_map import refuse_expert_statistics
+
+        refuse_expert_statistics(names, f"{'/'.join(sorted(self.methods))} statistics")
         for name in names:
             module = stream.model.get_submodule(name.rsplit(".", 1)[0])
             self._hooks.append(module.register_forward_hook(self._hook(name)))
