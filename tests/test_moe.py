@@ -144,7 +144,7 @@ def test_fit_squeezes_experts_attention_and_shared_expert_apart(tiny_model, tmp_
     from cardfit.scan import scan
 
     model_dir = tiny_model("qwen2-moe-sharp")
-    sensitivity = scan(model_dir, calib_text, 512, "Q8_0,Q4_0", out=tmp_path / "map.json", seq_len=64,
+    sensitivity = scan(model_dir, calib_text, 256, "Q8_0,Q4_0", out=tmp_path / "map.json", seq_len=64,
                        progress=False, device="cpu", group_by="tensor")
     reserve = reserve_bytes(open_model(model_dir), "llama.cpp")
     sizes = {f: sum(g["bytes"][f] for g in sensitivity["groups"]) for f in ("Q8_0", "Q4_0")}
