@@ -150,6 +150,11 @@ SCHEMA: dict[str, Rule] = {
     "rms_norm_eps": Num(0, 1),
     "query_pre_attn_scalar": Num(0, open_low=True),
     "final_logit_softcapping": Num(0), "attn_logit_softcapping": Num(0),
+    # mixture of experts (0: a dense config that names the keys)
+    "num_experts": Int(0, MAX_HEADS), "num_local_experts": Int(0, MAX_HEADS), "num_experts_per_tok": Int(0, MAX_HEADS),
+    "moe_intermediate_size": Int(0, MAX_WIDTH), "shared_expert_intermediate_size": Int(0, MAX_WIDTH),
+    "norm_topk_prob": BOOL, "decoder_sparse_step": Int(0, MAX_LAYERS),
+    "mlp_only_layers": Rule("number_list", 0, MAX_LAYERS),
 }
 
 # Keys of a rope_scaling / rope_parameters object (or of each per-layer-type object inside it).

@@ -182,3 +182,20 @@ def test_what_does_not_reach_experts_is_refused_before_anything_is_written(tiny_
     code, _, err = run_cli("pack", tmp_path / "gguf.json", "--model", model_dir, "--method", "imatrix",
                            "--out", tmp_path / "m.gguf")
     assert code == 2 and "routed experts" in err and not (tmp_path / "m.gguf").exists()
+
+
+def test_a_stack_with_two_types_is_refused(tiny_model):
+    """One GGUF tensor holds every expert of a projection: a format per expert cannot be written."""
+    from cardfit.formats import get_format
+    from cardfit.pack.gguf_pack import GgufPlan
+
+    source = open_model(tiny_model("qwen3-moe-sharp"))
+    formats = {t.name: get_format("Q8_0") for t in source.tensors()}
+    formats["model.layers.0.mlp.experts.1.up_proj.weight"] = get_format("Q4_0")
+    with pytest.raises(CardfitError, match="one GGUF tensor holds every expert"):
+        GgufPlan(source, formats)
+    del formats["model.layers.0.mlp.experts.1.up_proj.weight"]
+    formats["model.layers.0.mlp.experts.1.up_proj.weight"] = get_format("Q8_0")
+    stacked = {e[1]: e for e in GgufPlan(source, formats).entries}["blk.0.ffn_up_exps.weight"]
+    assert stacked[0] == tuple(f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4))
+    assert stacked[3] == (4, 64, 64)
