@@ -95,8 +95,12 @@ def _expert_placement(model_type, name, renamed, converters, parameters) -> Plac
             param = renamed[:match.start()] + target + renamed[match.end():]
             if param in parameters:
                 return Placement(param, int(match.group(1)), part if parts > 1 else 0, max(parts, 1))
-    raise CardfitError(f"{name}: no tensor of transformers' {model_type} model takes this checkpoint tensor",
-                       "check that config.json's model_type matches the weights")
+    from .groups import expert_stack
+
+    if expert_stack(name):
+        raise CardfitError(f"{name}: no tensor of transformers' {model_type} model takes this checkpoint tensor",
+                           "check that config.json's model_type matches the weights")
+    return Placement(name)  # a dense tensor under its own name: the module tree decides when it is loaded
 
 
 def refuse_expert_statistics(names, what: str) -> None:
