@@ -52,7 +52,8 @@ def random_model(name: str, root: Path = Path("/tmp/cardfit-shapes")) -> Path:
     model.save_pretrained(target, safe_serialization=True)
     AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(target)
     del model
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return target
 
 

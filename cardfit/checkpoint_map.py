@@ -45,6 +45,11 @@ class Placement:
         return param[self.expert, self.part * rows:(self.part + 1) * rows]
 
 
+def _expert_pattern(source: str) -> re.Pattern:
+    """A converter's source pattern, its `*` (the expert index) captured."""
+    return re.compile(re.escape(source).replace(r"\*", r"(\d+)"))
+
+
 @lru_cache(maxsize=None)
 def _conversions(model_type: str) -> tuple[list[tuple[re.Pattern, str]], list[tuple[list[re.Pattern], str, int]]]:
     """transformers' renamings and expert converters for a model type, as compiled patterns."""
@@ -57,10 +62,10 @@ def _conversions(model_type: str) -> tuple[list[tuple[re.Pattern, str]], list[tu
         if type(rule).__name__ == "WeightRenaming":
             renamings += [(re.compile(s), targets[0]) for s in sources]
         elif operations in (STACK, STACK_AND_CONCATENATE) and len(targets) == 1:
-            patterns = [re.compile(re.escape(s).replace(r"\*", r"(\d+)")) for s in sources]
-            converters.append((patterns, targets[0], len(sources) if operations == STACK_AND_CONCATENATE else 1))
-        else:
-            converters.append(([re.compile(re.escape(s).replace(r"\*", r"(\d+)")) for s in sources], None, 0))
+            parts = len(sources) if operations == STACK_AND_CONCATENATE else 1
+            converters.append(([_expert_pattern(s) for s in sources], targets[0], parts))
+        else:  # an operation this reading does not understand: refused when a tensor needs it
+            converters.append(([_expert_pattern(s) for s in sources], None, 0))
     return renamings, converters
 
 
