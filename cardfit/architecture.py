@@ -21,7 +21,7 @@ KNOWN_MODEL_TYPES = {
     "llama": "dense", "mistral": "dense", "qwen2": "dense", "qwen3": "dense", "phi3": "dense",
     "gemma": "dense", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3",
     "smollm3": "dense", "granite": "dense", "olmo2": "dense", "cohere": "dense",
-    "mixtral": "dense", "qwen2_moe": "dense", "qwen3_moe": "dense", "starcoder2": "dense",
+    "mixtral": "dense", "qwen2_moe": "dense", "qwen3_moe": "dense", "gpt_oss": "dense", "starcoder2": "dense",
     "deepseek_v2": "mla", "deepseek_v3": "mla", "kimi_k2": "mla",
     "jamba": "hybrid", "nemotron_h": "hybrid", "falcon_h1": "hybrid", "qwen3_next": "hybrid",
     "granitemoehybrid": "hybrid", "bamba": "hybrid",

@@ -28,6 +28,7 @@ class LayerCalibration:
         self.stream = self.engine.stream
         self.batches = [chunks[i:i + batch] for i in range(0, len(chunks), batch)]
         self.hidden = self.engine.embed(self.batches)
+        self.unvisited: list[str] = []  # routed experts' matrices no calibration token reached
 
     @torch.no_grad()
     def statistics(self, index: int) -> dict[str, Calibration]:
@@ -36,6 +37,7 @@ class LayerCalibration:
 
         names = [t.name for t in self.stream.groups[GroupId.layer_group(index)] if len(t.shape) == 2]
         stats = layer_statistics(self.engine, index, names, self.methods, self.hidden, self.awq_samples, seed=index)
+        self.unvisited += [n for n in stats.unvisited() if n not in self.unvisited]
         return {n: stats.calibration(n) for n in names}
 
     @torch.no_grad()
@@ -66,3 +68,16 @@ def final_norm_statistics(engine, hidden, methods) -> Calibration:
             count += x.shape[0]
     return Calibration(imatrix=None if square is None else (square / count).cpu(),
                        hessian=None if outer is None else (outer / count).cpu())
+
+
+def unvisited_warning(names: list[str]) -> list[str]:
+    """A warning (or none) for routed experts' matrices that no calibration token reached: they are
+    rounded with an importance of one on every column, as llama-quantize rounds them."""
+    if not names:
+        return []
+    from .groups import expert_stack
+
+    experts = sorted({(expert_stack(n)[0].rsplit(".experts.", 1)[0], expert_stack(n)[1]) for n in names})
+    shown = ", ".join(f"{layer} expert {e}" for layer, e in experts[:3]) + (" ..." if len(experts) > 3 else "")
+    return [f"{len(experts)} routed expert(s) saw no calibration token ({shown}): their matrices are rounded "
+            "with equal column importance, as llama-quantize does; more calibration text (--max-tokens) reaches them"]

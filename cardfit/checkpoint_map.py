@@ -7,6 +7,13 @@ the other; this module reads that mapping, so a layer streamed one checkpoint te
 where `from_pretrained` would put it, and a quantized copy of one expert's matrix replaces exactly its
 slice. Only the operations MoE checkpoints use are understood (renaming, stacking experts, concatenating
 gate and up); any other conversion is refused by name rather than guessed.
+
+gpt-oss goes the other way: its checkpoint already holds the fused stacks, in its own orientation
+(experts x in x out, gate and up interleaved column by column, biases beside them). cardfit prices,
+rounds and packs matrices the way runtimes multiply them, so such a checkpoint is presented as the
+per-expert matrices llama.cpp's converter cuts from it (`mlp.experts.3.gate_proj.weight`, out x in):
+the source reads only that expert's block (`fused_views`), and each lands back in its strided slice
+of the module's stack.
 """
 
 from __future__ import annotations
@@ -26,12 +33,16 @@ STACK_AND_CONCATENATE = (("MergeModulelist", 0), ("Concatenate", 1))
 
 @dataclass(frozen=True)
 class Placement:
-    """A checkpoint tensor's place: all of `param`, or one expert's `part`-th row block of it."""
+    """A checkpoint tensor's place: all of `param`, or one expert's `part`-th row block of it (rows taken
+    every `parts`-th from `part` when `interleaved`; the expert's matrix read transposed when `transposed`,
+    gpt-oss storing in x out)."""
 
     param: str
     expert: int | None = None
     part: int = 0
     parts: int = 1
+    interleaved: bool = False
+    transposed: bool = False
 
     @property
     def whole(self) -> bool:
@@ -39,10 +50,51 @@ class Placement:
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
         """The slice of the module parameter that holds this checkpoint tensor (a view: writes land)."""
-        if self.whole:
-            return param
-        rows = param.shape[1] // self.parts
-        return param[self.expert, self.part * rows:(self.part + 1) * rows]
+        return param if self.whole else self.within(param[self.expert])
+
+    def within(self, block: torch.Tensor) -> torch.Tensor:
+        """This tensor's part of its expert's block (`param[expert]`), as a view."""
+        if self.transposed:
+            block = block.transpose(-1, -2)
+        if self.interleaved:
+            return block[self.part::self.parts]
+        rows = block.shape[0] // self.parts
+        return block[self.part * rows:(self.part + 1) * rows]
+
+
+# Checkpoints that store the fused stacks themselves, per model type: fused tensor suffix ->
+# (per-expert projections it holds, in interleave order; whether each expert's matrix is in x out).
+FUSED_CHECKPOINT = {
+    "gpt_oss": {"mlp.experts.gate_up_proj": (("gate_proj", "up_proj"), True),
+                "mlp.experts.gate_up_proj_bias": (("gate_proj", "up_proj"), False),
+                "mlp.experts.down_proj": (("down_proj",), True),
+                "mlp.experts.down_proj_bias": (("down_proj",), False)},
+}
+
+
+def fused_views(model_type: str | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, Placement, tuple]]:
+    """Per-expert name -> (fused checkpoint tensor, its Placement in it, its shape), for a model type whose
+    checkpoint stores fused stacks (FUSED_CHECKPOINT); empty for every other model."""
+    views = {}
+    for name, shape in shapes.items():
+        if model_type in FUSED_CHECKPOINT and ".experts." in name and name.endswith(("_blocks", "_scales")):
+            raise CardfitError(f"{name}: this checkpoint stores its experts in MXFP4 (gpt-oss's release "
+                               "format), and cardfit measures and re-rounds from 16-bit weights",
+                               "use the model's BF16 weights (a BF16 release, or transformers' "
+                               "Mxfp4Config(dequantize=True) then save_pretrained)")
+        for suffix, (projections, transposed) in FUSED_CHECKPOINT.get(model_type, {}).items():
+            if not name.endswith("." + suffix):
+                continue
+            if len(shape) != (3 if transposed else 2) or shape[-1] % len(projections):
+                raise CardfitError(f"{name} has shape {list(shape)}, not a stack of experts", "restore the model's "
+                                   "original weights")
+            prefix, kind = name[:-len(suffix)] + "mlp.experts", "bias" if suffix.endswith("_bias") else "weight"
+            own = (shape[-1] // len(projections),) + ((shape[1],) if transposed else ())
+            for expert in range(shape[0]):
+                for projection in projections:
+                    view = f"{prefix}.{expert}.{projection}.{kind}"
+                    views[view] = (name, _fused_placement(model_type, view), own)
+    return views
 
 
 def _expert_pattern(source: str) -> re.Pattern:
@@ -69,11 +121,31 @@ def _conversions(model_type: str) -> tuple[list[tuple[re.Pattern, str]], list[tu
     return renamings, converters
 
 
+_PER_EXPERT = re.compile(r"^(.*)mlp\.experts\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _fused_placement(model_type: str, name: str) -> Placement | None:
+    """Where a per-expert name fused_views made lives in its fused stack; None for any other name."""
+    match = _PER_EXPERT.match(name) if model_type in FUSED_CHECKPOINT else None
+    if match is None:
+        return None
+    prefix, expert, projection, kind = match.groups()
+    for suffix, (projections, transposed) in FUSED_CHECKPOINT[model_type].items():
+        if projection in projections and suffix.endswith("_bias") == (kind == "bias"):
+            return Placement(prefix + suffix, int(expert), projections.index(projection), len(projections),
+                             interleaved=len(projections) > 1, transposed=transposed)
+    return None
+
+
 def placements(model_type: str, names, parameters: set[str]) -> dict[str, Placement]:
     """Checkpoint name -> its Placement among the model's `parameters` (their dotted names)."""
     renamings, converters = _conversions(model_type)
     out = {}
     for name in names:
+        place = _fused_placement(model_type, name)
+        if place is not None and place.param in parameters:
+            out[name] = place
+            continue
         if name in parameters:
             out[name] = Placement(name)
             continue
@@ -106,16 +178,3 @@ def _expert_placement(model_type, name, renamed, converters, parameters) -> Plac
         raise CardfitError(f"{name}: no tensor of transformers' {model_type} model takes this checkpoint tensor",
                            "check that config.json's model_type matches the weights")
     return Placement(name)  # a dense tensor under its own name: the module tree decides when it is loaded
-
-
-def refuse_expert_statistics(names, what: str) -> None:
-    """Statistics are read per nn.Linear; routed experts live in fused modules that run each expert on
-    its own tokens, so data-aware rounding and the Fisher/weight signals cannot see them yet. One line,
-    before any work, rather than an AttributeError from the module tree."""
-    from .groups import expert_stack
-
-    expert = next((n for n in names if expert_stack(n)), None)
-    if expert is not None:
-        raise CardfitError(f"{what} cannot reach routed experts yet ({expert}): statistics are not "
-                           "collected per expert", "use RTN rounding (--rounding rtn / --method rtn) and the exact "
-                           "scan (--method exact) for mixture-of-experts models")

@@ -329,6 +329,10 @@ def imatrix_command(
     result = collect_imatrix(model, calibration, max_tokens, seq_len, out, device)
     typer.echo(f"imatrix of {result['entries']} matrices over {result['tokens']} tokens "
                f"({result['chunks']} chunks of {result['chunk_size']}) -> {result['imatrix']}")
+    from .calibrate import unvisited_warning
+
+    for line in unvisited_warning(result["unvisited"]):
+        typer.echo(f"warning: {line}")
 
 
 @app.command("check")

@@ -155,6 +155,7 @@ SCHEMA: dict[str, Rule] = {
     "moe_intermediate_size": Int(0, MAX_WIDTH), "shared_expert_intermediate_size": Int(0, MAX_WIDTH),
     "norm_topk_prob": BOOL, "decoder_sparse_step": Int(0, MAX_LAYERS),
     "mlp_only_layers": Rule("number_list", 0, MAX_LAYERS),
+    "swiglu_alpha": Num(0, open_low=True), "swiglu_limit": Num(0, open_low=True),  # gpt-oss's clamped SwiGLU
 }
 
 # Keys of a rope_scaling / rope_parameters object (or of each per-layer-type object inside it).
@@ -168,6 +169,8 @@ ROPE_SCHEMA: dict[str, Rule] = {
     "short_factor": Rule("number_list", 0, None, open_low=True),
     "attention_factor": Num(0, open_low=True),
     "partial_rotary_factor": Num(0, 1, open_low=True),
+    "beta_fast": Num(0, open_low=True), "beta_slow": Num(0, open_low=True),  # YaRN's ramp
+    "mscale": Num(0), "mscale_all_dim": Num(0), "truncate": BOOL,
 }
 ROPE_NEEDS_FACTOR = ("linear", "llama3", "dynamic", "yarn")
 

@@ -37,9 +37,6 @@ def streamed_fisher(source, chunks: torch.Tensor, on_group: Callable[[dict[str, 
     from .heap import map_large_blocks
     from .runner import StreamedModel
 
-    from .checkpoint_map import refuse_expert_statistics
-
-    refuse_expert_statistics([t.name for t in source.tensors()], "the fast signal's Fisher")
     map_large_blocks()  # big temporaries go back to the system when freed, not into a growing heap
     model = StreamedModel(source, device=device, dtype=torch.float32)
     try:
@@ -67,7 +64,13 @@ class _Pass:
         on_group(self.embedding(grads, head_rows if self.model.tied else None))
 
     def _params(self, group: str) -> dict[str, torch.nn.Parameter]:
-        return {n: self.model.model.get_parameter(n) for n in self.model.group_tensors(group)}
+        """The module parameters a group's tensors live in (a fused expert stack once)."""
+        return {n: self.model.model.get_parameter(n) for n in self.model.group_params(group)}
+
+    def _per_tensor(self, group: str, fisher: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A parameter's Fisher as its checkpoint tensors' (a routed expert's slice of its stack)."""
+        place = self.model.place
+        return {n: place[n].view(fisher[place[n].param]).contiguous() for n in self.model.group_tensors(group)}
 
     @torch.no_grad()
     def forward(self) -> list[list[torch.Tensor]]:
@@ -171,7 +174,7 @@ class _Pass:
                             fisher[name].addcmul_(g, g)
                     grads[b][s] = g_h.detach()
                 inputs[b] = None  # this batch's input is spent
-        return self._scaled(fisher)
+        return self._scaled(self._per_tensor(group, fisher))
 
     def embedding(self, grads, head_rows) -> dict[str, torch.Tensor]:
         """The embedding's Fisher from each (batch, sample)'s gradient through the lookup (its own module,

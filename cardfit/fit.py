@@ -78,7 +78,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     (cluster.py), exactly; the rest stays here."""
     from .budget import budget as compute_budget
     from .budget import render_budget
-    from .pack import pack, reserve_bytes, render_pack
+    from .pack import pack, refuse_unpackable, render_pack, reserve_bytes
     from .plan import Problem, frontier, plan, render_recipe
     from .atomic import write_json, write_text
     from .paths import guard_output, input_paths, model_paths
@@ -104,11 +104,13 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
             raise CardfitError("--vram is required for a model of your own", "pass the card's memory, e.g. --vram 24GiB")
         vram = DEFAULT_VRAM
     source = open_model(model)
+    refuse_unpackable(source, target.artifact)
     out = guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)},
                        kind="workdir", writes=FIT_FILES + tuple(t.artifact_name for t in all_targets(packs=True)))
     state_path = out / "fit.json"
     state = _read_state(state_path)
     source = runnable(source)
+    refuse_unpackable(source, target.artifact, layout=True)
     out.mkdir(parents=True, exist_ok=True)
 
     _say(log, "== 1. budget")

@@ -4,8 +4,10 @@
 The GGUF layout is the one llama.cpp's imatrix tool writes: `general.type = imatrix`, the keys
 `imatrix.datasets`, `imatrix.chunk_count`, `imatrix.chunk_size`, and per weight matrix (by its
 GGUF tensor name) `NAME.in_sum2` = the sum over tokens of each input column squared, shape
-(1, n_per_row), and `NAME.counts` = the tokens summed, shape (1, 1). Statistics are collected on
-the unquantized model, as llama.cpp does. The token embedding is a lookup, not a matmul, so it
+(1, n_per_row), and `NAME.counts` = the tokens summed, shape (1, 1). A routed experts' stack
+(`ffn_up_exps`) has one row per expert, (n_expert, n_per_row) and (n_expert, 1): each expert's sums
+over the tokens routed to it, 0 and 0 for an expert no token reached (llama-quantize then weighs its
+columns equally; so does cardfit). Statistics are collected on the unquantized model, as llama.cpp does. The token embedding is a lookup, not a matmul, so it
 has no entry; a tied output matrix is the embedding and has none either.
 """
 
@@ -18,7 +20,7 @@ import torch
 
 from .errors import CardfitError
 from .formats import Calibration
-from .groups import LM_HEAD, GroupId
+from .groups import LM_HEAD, GroupId, expert_stack
 from .sources import ModelSource
 
 
@@ -61,7 +63,7 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
                           source=str(text_path))
     tokens = int(chunks.numel())
     calib = LayerCalibration(source, chunks, "imatrix", device=device)
-    sums: dict[str, np.ndarray] = {}
+    rows: dict[str, dict[int, tuple[np.ndarray, int]]] = {}  # GGUF name -> row (expert, or 0) -> (sums, count)
     layers = source.geometry.num_layers
     bar = None
     if progress:
@@ -71,7 +73,9 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
     for index in range(layers):
         for hf_name, cal in calib.statistics(index).items():
             if hf_name in names and cal.imatrix is not None:
-                sums[names[hf_name]] = (cal.imatrix.to(torch.float64) * tokens).numpy().astype(np.float32)
+                stack = expert_stack(hf_name)
+                sums = (cal.imatrix.to(torch.float64) * cal.tokens).numpy().astype(np.float32)
+                rows.setdefault(names[hf_name], {})[stack[1] if stack else 0] = (sums, cal.tokens)
         calib.advance(index)
         if bar:
             bar.update(1)
@@ -80,7 +84,7 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
     head = [t.name for t in source.tensors() if t.group == LM_HEAD and t.name in names]
     if head:
         cal = calib.head_statistics()
-        sums[names[head[0]]] = (cal.imatrix.to(torch.float64) * tokens).numpy().astype(np.float32)
+        rows[names[head[0]]] = {0: ((cal.imatrix.to(torch.float64) * tokens).numpy().astype(np.float32), tokens)}
     with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch="imatrix")
         writer.kv_data[0].pop("general.architecture", None)  # llama.cpp's imatrix files have none
@@ -88,14 +92,17 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
         writer.add_array(gguf.Keys.IMatrix.DATASETS, [text_path.name])
         writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(chunks.shape[0]))
         writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(chunks.shape[1]))
-        for name in sorted(sums):
-            writer.add_tensor(f"{name}.in_sum2", sums[name].reshape(1, -1))
-            writer.add_tensor(f"{name}.counts", np.array([[tokens]], dtype=np.float32))
+        for name in sorted(rows):
+            order = sorted(rows[name])
+            if order != list(range(len(order))):
+                raise RuntimeError(f"{name}: statistics for rows {order}, not every expert")
+            writer.add_tensor(f"{name}.in_sum2", np.stack([rows[name][r][0] for r in order]))
+            writer.add_tensor(f"{name}.counts", np.array([[rows[name][r][1]] for r in order], dtype=np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    return {"imatrix": str(out), "entries": len(sums), "tokens": tokens, "chunks": int(chunks.shape[0]),
+    return {"imatrix": str(out), "entries": len(rows), "tokens": tokens, "unvisited": calib.unvisited, "chunks": int(chunks.shape[0]),
             "chunk_size": int(chunks.shape[1]), "dataset": text_path.name}
 
 
@@ -117,16 +124,29 @@ class ImatrixFile:
                                "make one with cardfit imatrix or llama-imatrix --output-format gguf")
         tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
         self.means: dict[str, torch.Tensor] = {}
+        self.unvisited: list[str] = []  # routed experts' matrices the file has no token for
         shapes = {t.name: t.shape for t in source.tensors()}
         for hf_name, gguf_name in gguf_tensor_names(source).items():
             sums, counts = tensors.get(f"{gguf_name}.in_sum2"), tensors.get(f"{gguf_name}.counts")
             if sums is None or counts is None:
                 continue  # llama.cpp quantizes such a tensor without one too
-            sums = sums.reshape(-1)
-            if sums.size != shapes[hf_name][-1]:
-                raise CardfitError(f"{path}: {gguf_name} has {sums.size} columns, the model's has "
-                                   f"{shapes[hf_name][-1]}", "use an imatrix made for this model")
-            self.means[hf_name] = torch.from_numpy(sums / max(float(counts.reshape(-1)[0]), 1.0)).to(torch.float32)
+            columns, stack = shapes[hf_name][-1], expert_stack(hf_name)
+            counts = counts.reshape(-1)
+            if sums.size % columns or (sums.size // columns != counts.size and counts.size != 1):
+                raise CardfitError(f"{path}: {gguf_name} has {sums.size} values and {counts.size} counts, the model's "
+                                   f"rows are {columns} wide", "use an imatrix made for this model")
+            sums = sums.reshape(-1, columns)
+            row = stack[1] if stack else 0
+            if row >= sums.shape[0] or (stack is None and sums.shape[0] != 1):
+                raise CardfitError(f"{path}: {gguf_name} has {sums.shape[0]} rows of statistics, the model's "
+                                   f"{hf_name} needs {'expert ' + str(row) if stack else 'one'}",
+                                   "use an imatrix made for this model")
+            count = float(counts[row if counts.size > 1 else 0])
+            if count > 0:
+                self.means[hf_name] = torch.from_numpy(sums[row] / count).to(torch.float32)
+            else:  # no token reached it (an expert the router never chose): llama-quantize weighs columns equally
+                self.means[hf_name] = torch.ones(columns)
+                self.unvisited += [hf_name] if stack else []
         if not self.means:
             raise CardfitError(f"{path} has no entry for any tensor of this model", "use an imatrix made for this model")
         self._layer_of = {t.name: t.group for t in source.tensors()}

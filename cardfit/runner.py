@@ -43,7 +43,10 @@ class StreamedModel:
         self.device = check_device(device)
         self.dtype = dtype
         config = AutoConfig.from_pretrained(str(source.path))
-        config._attn_implementation = "sdpa"
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        # sdpa where transformers has it; eager for models whose attention it cannot express (gpt-oss's sinks)
+        config._attn_implementation = "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
         with init_empty_weights():
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model.eval()
@@ -60,6 +63,7 @@ class StreamedModel:
         self.place = placements(config.model_type, [t.name for ts in self.groups.values() for t in ts],
                                 {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
                                 | {n for n, _ in self.model.named_buffers()})
+        self._refuse_uncovered_stacks()
         self.tied = source.tied_embeddings
         self.keep_bytes = keep_bytes
         self.prefetching = prefetch
@@ -69,6 +73,21 @@ class StreamedModel:
         self._prefetched: dict[str, Future] = {}
         self._reader = ThreadPoolExecutor(max_workers=1) if prefetch else None
         self._kwargs: dict[tuple, list[dict]] = {}
+
+    def _refuse_uncovered_stacks(self) -> None:
+        """Every slice of a fused expert stack has a checkpoint tensor (an unfilled one would compute with
+        whatever the allocation held)."""
+        slices: dict[str, set] = {}
+        for place in self.place.values():
+            if not place.whole:
+                slices.setdefault(place.param, set()).add((place.expert, place.part))
+        for param, have in slices.items():
+            parts = 1 + max(part for _, part in have)
+            experts = self.model.get_parameter(param).shape[0]
+            missing = sorted({(e, p) for e in range(experts) for p in range(parts)} - have)
+            if missing:
+                raise CardfitError(f"the checkpoint has no tensor for expert {missing[0][0]} of {param} ({len(missing)} "
+                                   f"of {experts * parts} expert matrices missing)", "restore the model's original weights")
 
     # -- weights --------------------------------------------------------------------------------------
     def group_tensors(self, group: str) -> list[str]:
@@ -124,6 +143,12 @@ class StreamedModel:
                 place.view(self._materialized(place.param, dtype).data).copy_(value)
         if group == EMBED and self.tied:
             self.model.lm_head.weight = self.decoder.embed_tokens.weight
+        layer = GroupId(group).layer if GroupId(group).in_layer else None
+        missing = [] if layer is None else [n for n, p in self.layers[layer].named_parameters() if p.device.type == "meta"]
+        if missing:  # a tensor the layer computes with that the checkpoint does not hold
+            raise CardfitError(f"the checkpoint has no tensor for {group}'s {missing[0]}"
+                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                               "restore the model's original weights")
         self._loaded.add(group)
         self.loads[group] += 1
 

@@ -341,11 +341,6 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
     source = runnable(source)
-    statistics = sorted({f.method_for(rounding) for f in fmts} - {"rtn"}) + ([method] if method != "exact" else [])
-    if statistics:  # before anything is measured or written
-        from .checkpoint_map import refuse_expert_statistics
-
-        refuse_expert_statistics([t.name for t in source.tensors()], " and ".join(statistics))
     text, text_path = load_text(calibration)
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path))

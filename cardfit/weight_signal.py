@@ -5,7 +5,9 @@ tokens, keeping only the diagonal of E[x xᵀ], is Σ_j E[x_j²] Σ_i δW_ij²: 
 matrix (mean x² per input column) weighting the squared weight error, the quantity ggml's
 quantizers minimize and the one llama.cpp's automatic allocator (`llama-quantize --target-bpw`)
 sums. A cell's damage is that expected squared output error per token, summed over the group's
-matrices. The token embedding is a lookup, so its input is one-hot: a row weighs by how often its
+matrices. A routed expert's error reaches the layer's output only for the tokens routed to it, scaled
+by their routing weight: its columns weigh (routing weight x input)^2 summed over its tokens and divided
+by all the layer's tokens (quant/experts.py), so an expert stack's cell is its expected share per token. The token embedding is a lookup, so its input is one-hot: a row weighs by how often its
 token occurs in the calibration text (and, when tied, also as the head, by the final norm's mean x²).
 
 Cost: one walk of the calibration tokens through the unquantized model, layer by layer (the
@@ -103,7 +105,8 @@ class _LayerStatistics:
         return self.stats.get(tensor.name)
 
     def error(self, tensor, weight: torch.Tensor, quantized: torch.Tensor) -> float:
-        return weighted_error(weight, quantized, self.stats[tensor.name].imatrix)
+        stats = self.stats[tensor.name]
+        return weighted_error(weight, quantized, stats.imatrix if stats.importance is None else stats.importance)
 
 
 class _EdgeStatistics:

@@ -15,8 +15,9 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     """A random model of a real architecture, with SmolLM2's tokenizer so text can be fed to it."""
     import shutil
 
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, DeepseekV2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     from cardfit.default_model import default_model_dir
 
@@ -68,6 +69,18 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
     elif kind == "mixtral":  # block_sparse_moe.experts.<e>.w1/w2/w3 in the checkpoint
         config = MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
                                tie_word_embeddings=False, sliding_window=None)
+    elif kind in ("gpt-oss", "gpt-oss-llamacpp"):  # fused in x out expert stacks with biases, attention sinks,
+        # YaRN as the real config has it (truncate false), or as llama.cpp computes it (ramp ends rounded)
+        yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": kind == "gpt-oss-llamacpp", "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+        config = GptOssConfig(**{**common, "intermediate_size": 64, "max_position_embeddings": 131072}, head_dim=16,
+                              num_local_experts=4, num_experts_per_tok=2, sliding_window=32, rope_parameters=yarn,
+                              tie_word_embeddings=False)
+    elif kind == "deepseek-v2":  # MLA, a shared expert beside the routed ones, a dense first layer
+        config = DeepseekV2Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4,
+                                  n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+                                  q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                  tie_word_embeddings=False)
     else:
         raise ValueError(kind)
     if sharp:

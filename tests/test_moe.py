@@ -11,7 +11,7 @@ from cardfit.errors import CardfitError
 from cardfit.groups import expert_stack
 from cardfit.sources import open_model
 
-MOE_KINDS = ["qwen3-moe-sharp", "qwen2-moe-sharp", "mixtral-sharp"]
+MOE_KINDS = ["qwen3-moe-sharp", "qwen2-moe-sharp", "mixtral-sharp", "gpt-oss-sharp", "deepseek-v2-sharp"]
 
 
 def _ids(n=2, length=24):
@@ -35,10 +35,21 @@ def test_streamed_forward_equals_transformers(tiny_model, kind):
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5), float((ours - theirs).abs().max())
 
 
-def test_an_expert_copy_replaces_only_its_slice(tiny_model):
+def _write_up_of_expert_2(experts, value):
+    """Expert 2's up projection written into transformers' fused stack by hand: [gate; up] rows, or gpt-oss's
+    in x out stack with gate and up interleaved column by column."""
+    fused = experts.gate_up_proj
+    if type(experts).__name__ == "GptOssExperts":
+        fused[2, :, 1::2] = value.T
+    else:
+        fused[2, fused.shape[1] // 2:] = value
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe-sharp", "gpt-oss-sharp"])
+def test_an_expert_copy_replaces_only_its_slice(tiny_model, kind):
     """A replaced expert matrix changes the logits exactly as writing it into transformers' fused
     parameter by hand does, and the source's stack is intact afterwards."""
-    model_dir = tiny_model("qwen3-moe-sharp")
+    model_dir = tiny_model(kind)
     source = open_model(model_dir)
     engine = Engine(source, "cpu", "float32")
     ids = _ids()
@@ -46,10 +57,8 @@ def test_an_expert_copy_replaces_only_its_slice(tiny_model):
     replacement = -2 * source.read(name)
     ours = engine.forward(ids, {name: replacement})
     model = _hf(model_dir)
-    fused = model.model.layers[1].mlp.experts.gate_up_proj
-    rows = fused.shape[1] // 2
     with torch.no_grad():
-        fused[2, rows:] = replacement
+        _write_up_of_expert_2(model.model.layers[1].mlp.experts, replacement)
         theirs = model(ids).logits
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ours, engine.forward(ids), atol=1e-3)  # the replacement mattered
@@ -134,18 +143,20 @@ def test_llama_cpp_refuses_what_it_computes_differently(tiny_model, tmp_path, mo
     assert relative_error(llama_cpp_logits(forced, IDS), hf_logits(model_dir, IDS)) > 0.05
 
 
-def test_fit_squeezes_experts_attention_and_shared_expert_apart(tiny_model, tmp_path, calib_text):
-    """scan (one group per expert stack), plan at a budget between the uniform sizes, pack to GGUF and
-    check in llama.cpp: the recipe gives the routed experts, attention and the shared expert more than
-    one format, and the artifact is every byte the plan said."""
+@pytest.mark.parametrize("kind", ["qwen2-moe-sharp", "gpt-oss-llamacpp-sharp"])
+def test_fit_squeezes_experts_attention_and_shared_expert_apart(tiny_model, tmp_path, calib_text, kind):
+    """scan (one group per expert stack, imatrix rounding: statistics per expert), plan at a budget between
+    the uniform sizes, pack to GGUF with the imatrix and check in llama.cpp: the recipe gives the routed
+    experts, attention and the shared expert (Qwen2-MoE; gpt-oss has none) more than one format, and the
+    artifact is every byte the plan said."""
     from cardfit.check import check
     from cardfit.pack import pack, reserve_bytes
     from cardfit.plan import plan
     from cardfit.scan import scan
 
-    model_dir = tiny_model("qwen2-moe-sharp")
+    model_dir = tiny_model(kind)
     sensitivity = scan(model_dir, calib_text, 256, "Q8_0,Q4_0", out=tmp_path / "map.json", seq_len=64,
-                       progress=False, device="cpu", group_by="tensor")
+                       progress=False, device="cpu", group_by="tensor", rounding="imatrix")
     reserve = reserve_bytes(open_model(model_dir), "llama.cpp")
     sizes = {f: sum(g["bytes"][f] for g in sensitivity["groups"]) for f in ("Q8_0", "Q4_0")}
     budget = reserve + (sizes["Q8_0"] + sizes["Q4_0"]) // 2
@@ -154,34 +165,292 @@ def test_fit_squeezes_experts_attention_and_shared_expert_apart(tiny_model, tmp_
     roles = {"experts": [f for n, f in chosen.items() if ".experts." in n],
              "attention": [f for n, f in chosen.items() if ".self_attn." in n],
              "shared": [f for n, f in chosen.items() if ".shared_expert." in n]}
+    if kind.startswith("gpt-oss"):
+        del roles["shared"]
     assert all(roles.values()) and len({f for formats in roles.values() for f in formats}) == 2, roles
     out = tmp_path / "moe.gguf"
-    report = pack(recipe, model_dir, out, progress=False, smoke=False)
+    report = pack(recipe, model_dir, out, method="imatrix", calibration=calib_text, max_tokens=256, seq_len=64,
+                  progress=False, smoke=False)
     assert out.stat().st_size == report["file_bytes"] <= budget and report["tensor_bytes"] == recipe["bytes"]
     verdict = check(out, model_dir, calib_text, max_tokens=256, seq_len=64)
     assert 0 < verdict["kld_mean"] < 0.5, json.dumps(verdict, default=str)[:400]
 
 
-def test_what_does_not_reach_experts_is_refused_before_anything_is_written(tiny_model, tmp_path, run_cli,
-                                                                           calib_text):
-    """Statistics per expert (imatrix/GPTQ/AWQ rounding, the fast and weight signals) and compressed-tensors
-    expert stacks are not built yet: one line each, exit 2, no file."""
+def test_every_signal_reaches_experts_and_compressed_tensors_is_refused(tiny_model, tmp_path, run_cli, calib_text):
+    """The fast (Fisher) and weight signals price every expert stack; compressed-tensors expert stacks are
+    not built yet: one line, exit 2, no file (fit says so before its scan)."""
     model_dir = tiny_model("qwen3-moe-sharp")
-    for args in (["--rounding", "imatrix", "--formats", "Q4_K"], ["--method", "fast"], ["--method", "weight"]):
-        code, _, err = run_cli("scan", model_dir, "--calibration", calib_text, "--max-tokens", "256",
-                               "--seq-len", "64", "--out", tmp_path / "m.json", *args)
-        errors = [line for line in err.splitlines() if line.startswith("error:")]
-        assert code == 2 and len(errors) == 1 and "routed experts" in errors[0], (args, err)
-        assert not (tmp_path / "m.json").exists()
+    for method in ("fast", "weight"):
+        code, _, err = run_cli("scan", model_dir, "--calibration", calib_text, "--max-tokens", "256", "--seq-len",
+                               "64", "--out", tmp_path / f"{method}.json", "--method", method, "--group-by", "tensor",
+                               "--formats", "Q8_0,Q4_0")
+        assert code == 0, err
+        cells = {g["name"]: g["cells"] for g in json.loads((tmp_path / f"{method}.json").read_text())["groups"]}
+        stack = cells["model.layers.0.mlp.experts.down_proj.weight"]
+        assert stack["Q4_0"]["damage"] > stack["Q8_0"]["damage"] > 0, (method, stack)
     from cardfit.plan import uniform_recipe
 
     (tmp_path / "vllm.json").write_text(json.dumps(uniform_recipe(open_model(model_dir), "W4A16-g128")))
     code, _, err = run_cli("pack", tmp_path / "vllm.json", "--model", model_dir, "--out", tmp_path / "ct")
     assert code == 2 and "compressed-tensors" in err and not (tmp_path / "ct").exists()
-    (tmp_path / "gguf.json").write_text(json.dumps(uniform_recipe(open_model(model_dir), "Q4_K")))
-    code, _, err = run_cli("pack", tmp_path / "gguf.json", "--model", model_dir, "--method", "imatrix",
-                           "--out", tmp_path / "m.gguf")
-    assert code == 2 and "routed experts" in err and not (tmp_path / "m.gguf").exists()
+    code, _, err = run_cli("fit", model_dir, "--vram", "1GiB", "--format", "compressed-tensors", "--out", tmp_path / "run")
+    assert code == 2 and "compressed-tensors" in err and not (tmp_path / "run").exists()  # before the scan
+
+
+def _never_route(model, expert: int):
+    """Hooks making every router of `model` choose another expert wherever it chose `expert` (an expert no
+    calibration token reaches, as happens to some of a real MoE's experts on a short text)."""
+    def hook(module, args, output):
+        logits, weights, chosen = output
+        taken = torch.zeros(chosen.shape[0], module.num_experts + 1, dtype=torch.bool).scatter_(1, chosen, True)
+        spare = (~taken[:, :module.num_experts]).float().argmax(-1, keepdim=True).expand_as(chosen)
+        return logits, weights, torch.where(chosen == expert, spare, chosen)
+
+    return [m.register_forward_hook(hook) for name, m in model.named_modules() if name.endswith("mlp.gate")]
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe-sharp", "gpt-oss-sharp"])
+def test_expert_inputs_are_what_each_expert_multiplies(tiny_model, kind):
+    """The tap's rows for each expert rebuild the fused module's own output: its tokens are the ones
+    routed to it, its down projection's input is act(gate) * up of them (gpt-oss: its clamped, biased
+    gating); a swapped gate/up, a wrong token or a wrong activation would not add up."""
+    from cardfit.quant.experts import READS_ACTIVATION, READS_TOKENS, ExpertTap
+
+    model_dir = tiny_model(kind)
+    model = _hf(model_dir)
+    experts = model.model.layers[1].mlp.experts
+    names = {f"e{e}.{part}": type("P", (), {"param": f"x.{part}", "expert": e})
+             for e in range(4) for part in (READS_TOKENS, READS_ACTIVATION)}
+    rows, routing, calls = {}, {}, []
+
+    def record(key, x, weight):
+        rows.setdefault(key, []).append(x)
+        routing.setdefault(key, []).append(weight)
+
+    tap = ExpertTap(experts, "layer1", list(names.items()), record)
+    experts.register_forward_hook(lambda m, args, out: calls.append((args, out)))
+    with torch.no_grad():
+        model(_ids())
+    tap.close()
+    (hidden, chosen, weights), out = calls[0]
+    assert tap.tokens == hidden.shape[0]
+    rebuilt = torch.zeros_like(out)
+    for e in range(4):
+        picked = (chosen == e).nonzero()
+        assert torch.equal(rows[("layer1", e, READS_TOKENS)][0], hidden[picked[:, 0]])
+        down_input = rows[("layer1", e, READS_ACTIVATION)][0]
+        if kind.startswith("gpt-oss"):  # in x out, with a bias
+            down = down_input @ experts.down_proj[e] + experts.down_proj_bias[e]
+        else:
+            down = down_input @ experts.down_proj[e].T
+        assert torch.equal(routing[("layer1", e, READS_ACTIVATION)][0], weights[picked[:, 0], picked[:, 1]])
+        contribution = down * routing[("layer1", e, READS_TOKENS)][0][:, None]
+        rebuilt.index_add_(0, picked[:, 0], contribution)
+    assert torch.allclose(rebuilt, out, atol=1e-5, rtol=1e-4), float((rebuilt - out).abs().max())
+
+
+def test_an_expert_no_token_reached_is_rounded_as_llama_quantize_does(tiny_model):
+    """Statistics per expert; one the router never chose gets llama-quantize's stand-in (importance one
+    per column), GPTQ's identity (its rounding is RTN's) and an empty AWQ sample (the identity scale)."""
+    from cardfit.groups import GroupId
+    from cardfit.quant.awq import awq_search
+    from cardfit.quant.model import layer_statistics
+
+    engine = Engine(open_model(tiny_model("mixtral-sharp")), "cpu", "float32")
+    hooks = _never_route(engine.stream.model, 3)
+    hidden = engine.embed([_ids(2, 40)])
+    names = [t.name for t in engine.stream.groups[GroupId.layer_group(0)] if len(t.shape) == 2]
+    stats = layer_statistics(engine, 0, names, {"imatrix", "gptq", "awq"}, hidden)
+    for h in hooks:
+        h.remove()
+    prefix = "model.layers.0.block_sparse_moe.experts."
+    assert sorted(stats.unvisited()) == [f"{prefix}3.w{i}.weight" for i in (1, 2, 3)]
+    visited = [stats.calibration(f"{prefix}{e}.w1.weight").tokens for e in range(3)]
+    assert sum(visited) == 2 * 40 * 2 and min(visited) > 0  # every token reached two of experts 0-2
+    gate, up = stats.calibration(f"{prefix}1.w1.weight"), stats.calibration(f"{prefix}1.w3.weight")
+    assert torch.equal(gate.imatrix, up.imatrix) and gate.tokens == up.tokens  # they read the same rows
+    lost = stats.calibration(f"{prefix}3.w2.weight")
+    assert lost.tokens == 0 and torch.equal(lost.imatrix, torch.ones(64)) and torch.equal(lost.hessian, torch.eye(64))
+    weight = torch.randn(64, 64)
+    assert torch.equal(awq_search([weight], lost.inputs, lambda m: m.round()), torch.ones(64))
+
+
+def test_the_weight_signal_prices_an_expert_by_what_the_layer_sees_of_it(tiny_model, tmp_path, calib_text):
+    """A routed expert's cell in the weight signal is its squared output error weighted by each token's
+    routing weight, over all the layer's tokens: the same sum computed by brute force from transformers'
+    router choices and the layer's inputs (an expert nobody chooses would add nothing)."""
+    from transformers import AutoTokenizer
+
+    from cardfit.formats import get_format
+    from cardfit.scan import scan
+    from cardfit.text import load_text, token_chunks
+
+    model_dir = tiny_model("qwen3-moe-sharp")
+    result = scan(model_dir, calib_text, 256, "Q4_0", out=tmp_path / "m.json", seq_len=64, progress=False,
+                  device="cpu", group_by="tensor", method="weight")
+    stack = "model.layers.1.mlp.experts.up_proj.weight"
+    cell = next(g for g in result["groups"] if g["name"] == stack)["cells"]["Q4_0"]["damage"]
+
+    chunks = token_chunks(AutoTokenizer.from_pretrained(str(model_dir)), load_text(calib_text)[0], 64, 256)
+    model, source, fmt = _hf(model_dir), open_model(model_dir), get_format("Q4_0")
+    calls = []
+    model.model.layers[1].mlp.experts.register_forward_hook(lambda m, args, out: calls.append(args))
+    with torch.no_grad():
+        model(chunks)
+    expected = 0.0
+    for hidden, chosen, weights in calls:
+        for e in range(4):
+            name = f"model.layers.1.mlp.experts.{e}.up_proj.weight"
+            weight = source.read(name)
+            error = (fmt.roundtrip(name, weight) - weight) ** 2  # (out, in)
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            x = hidden[token].to(torch.float64) * weights[token, slot, None].to(torch.float64)
+            expected += float(((x * x) @ error.to(torch.float64).T).sum())
+    expected /= chunks.numel()
+    assert expected > 0 and cell == pytest.approx(expected, rel=1e-3)
+
+
+def test_imatrix_per_expert_in_llama_cpps_layout_packs_and_runs(tiny_model, tmp_path, calib_text, run_cli):
+    """`cardfit imatrix` writes a stack's statistics one row per expert with its own count (0 for an
+    expert no token reached), as llama-imatrix does; pack rounds each expert with its own row, the
+    GGUF's expert slices are exactly ggml's quantization with it, and llama.cpp runs the file."""
+    import gguf
+    import numpy as np
+
+    from cardfit.formats import get_format
+    from cardfit.formats import ggml_lib
+    from cardfit.imatrix import ImatrixFile, collect_imatrix
+    from cardfit.pack import pack
+    from cardfit.plan import uniform_recipe
+
+    from test_pack_gguf import IDS, hf_logits, llama_cpp_logits, relative_error
+
+    model_dir = tiny_model("qwen3-moe-sharp")
+    source = open_model(model_dir)
+    report = collect_imatrix(model_dir, calib_text, 256, 64, tmp_path / "im.gguf", "cpu", progress=False)
+    assert report["unvisited"] == []
+    fields = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "im.gguf")).tensors}
+    assert fields["blk.1.ffn_down_exps.weight.in_sum2"].shape == (4, 64)
+    counts = fields["blk.1.ffn_down_exps.weight.counts"].reshape(-1)
+    assert counts.sum() == 2 * report["tokens"] and (counts > 0).all()  # two experts per token
+    assert fields["blk.1.attn_q.weight.counts"].reshape(-1).tolist() == [report["tokens"]]
+
+    # an expert with no token: zeros, as llama-imatrix writes it; the reader weighs it equally and says so
+    writer = gguf.GGUFWriter(str(tmp_path / "lost.gguf"), arch="imatrix")
+    writer.kv_data[0].pop("general.architecture", None)
+    writer.add_type(gguf.GGUFType.IMATRIX)
+    for name, value in fields.items():
+        value = value.copy()
+        if name.startswith("blk.1.ffn_up_exps"):
+            value[2] = 0
+        writer.add_tensor(name, value)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    lost = ImatrixFile(tmp_path / "lost.gguf", source)
+    assert lost.unvisited == ["model.layers.1.mlp.experts.2.up_proj.weight"]
+    assert torch.equal(lost.means["model.layers.1.mlp.experts.2.up_proj.weight"], torch.ones(64))
+
+    (tmp_path / "r.json").write_text(json.dumps(uniform_recipe(source, "Q4_0")))
+    code, out, err = run_cli("pack", tmp_path / "r.json", "--model", model_dir, "--imatrix", tmp_path / "lost.gguf",
+                             "--out", tmp_path / "m.gguf", "--no-smoke")
+    assert code == 0, err
+    assert "1 routed expert(s) saw no calibration token (model.layers.1.mlp expert 2)" in out
+    packed = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}["blk.1.ffn_up_exps.weight"]
+    raw = np.asarray(packed.data).reshape(4, -1)
+    for expert in (1, 2):
+        name = f"model.layers.1.mlp.experts.{expert}.up_proj.weight"
+        weight = source.read(name, dtype=torch.float32).numpy()
+        assert np.array_equal(raw[expert].reshape(-1), ggml_lib.quantize("Q4_0", weight, lost.means[name].numpy()))
+    rtn = ggml_lib.quantize("Q4_0", source.read("model.layers.1.mlp.experts.1.up_proj.weight", dtype=torch.float32).numpy(), None)
+    assert not np.array_equal(raw[1].reshape(-1), rtn)  # the imatrix changed the rounding
+    assert get_format("Q4_0").storage("model.layers.1.mlp.experts.1.up_proj.weight", (64, 64)) == "Q4_0"
+    code, _, err = run_cli("pack", tmp_path / "r.json", "--model", model_dir, "--out", tmp_path / "rtn.gguf", "--no-smoke")
+    assert code == 0, err
+    reference = hf_logits(model_dir, IDS)
+    errors = [relative_error(llama_cpp_logits(tmp_path / f, IDS), reference) for f in ("m.gguf", "rtn.gguf")]
+    assert errors[0] < 1.2 * errors[1], errors  # llama.cpp computes it, and to Q4_0's error
+
+
+def test_gpt_oss_as_llama_cpp_runs_it(tiny_model, tmp_path, run_cli):
+    """gpt-oss's fused in x out stacks are read as llama.cpp's per-expert matrices (gate and up cut from
+    interleaved columns; only an expert's block read), and its config as llama.cpp computes it: the real
+    YaRN (truncate false) is packed with a warning saying llama.cpp rounds the ramp (and the logits move
+    by about that), a SwiGLU or layer pattern llama.cpp does not compute is refused, and so is the MXFP4
+    release format (cardfit re-rounds from 16-bit weights)."""
+    from cardfit.pack import pack
+    from cardfit.plan import uniform_recipe
+
+    from test_pack_gguf import IDS, hf_logits, llama_cpp_logits, relative_error
+
+    model_dir = tiny_model("gpt-oss-sharp")
+    source = open_model(model_dir)
+    names = {t.name: t.shape for t in source.tensors()}
+    assert names["model.layers.0.mlp.experts.3.up_proj.weight"] == (64, 64)
+    assert names["model.layers.0.mlp.experts.3.gate_proj.bias"] == (64,)
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        fused = f.get_tensor("model.layers.0.mlp.experts.gate_up_proj")
+    assert torch.equal(source.read("model.layers.0.mlp.experts.3.up_proj.weight", dtype=None), fused[3][:, 1::2].T)
+    report = pack(uniform_recipe(source, "F16"), model_dir, tmp_path / "real.gguf", progress=False, smoke=False)
+    assert any("YaRN" in w for w in report["warnings"])
+    assert 0.003 < relative_error(llama_cpp_logits(tmp_path / "real.gguf", IDS), hf_logits(model_dir, IDS)) < 0.05
+    config = json.loads((model_dir / "config.json").read_text())
+    for change, says in (({"swiglu_limit": 9.0}, "SwiGLU"),
+                         ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding window")):
+        other = tmp_path / says.replace(" ", "-")
+        other.mkdir()
+        for file in model_dir.iterdir():
+            (other / file.name).symlink_to(file)
+        (other / "config.json").unlink()
+        (other / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(CardfitError, match=says):
+            pack(uniform_recipe(open_model(other), "F16"), other, tmp_path / "no.gguf", progress=False, smoke=False)
+        assert not (tmp_path / "no.gguf").exists()
+    from safetensors.torch import save_file
+
+    (tmp_path / "SwiGLU" / "config.json").unlink()
+    (tmp_path / "SwiGLU" / "config.json").symlink_to(model_dir / "config.json")
+    save_file({"model.layers.0.mlp.experts.down_proj_blocks": torch.zeros(4, 64, 2, 16, dtype=torch.uint8)},
+              str(tmp_path / "SwiGLU" / "mxfp4.safetensors"))
+    code, _, err = run_cli("scan", tmp_path / "SwiGLU", "--out", tmp_path / "m.json")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "MXFP4" in errors[0] and not (tmp_path / "m.json").exists()
+
+
+def test_deepseek_v2_scans_and_fit_refuses_its_gguf_before_the_scan(tiny_model, tmp_path, run_cli, calib_text):
+    """DeepSeek-V2 (MLA, a shared expert, a dense first layer) streams and scans with its expert stacks as
+    groups; llama.cpp's deepseek2 GGUF is not written yet, and fit says so before it scans."""
+    from cardfit.scan import scan
+
+    model_dir = tiny_model("deepseek-v2-sharp")
+    result = scan(model_dir, calib_text, 256, "Q8_0,Q4_0", out=tmp_path / "m.json", seq_len=64, progress=False,
+                  device="cpu", group_by="tensor")
+    stack = next(g for g in result["groups"] if g["name"] == "model.layers.1.mlp.experts.gate_proj.weight")
+    assert stack["cells"]["Q4_0"]["damage"] > stack["cells"]["Q8_0"]["damage"] > 0
+    code, _, err = run_cli("fit", model_dir, "--vram", "1GiB", "--out", tmp_path / "run")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "deepseek_v2" in errors[0] and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind, missing, says", [
+    ("qwen3-moe-sharp", "model.layers.1.mlp.experts.3.up_proj.weight", "expert 3 of model.layers.1.mlp.experts.gate_up_proj"),
+    ("gpt-oss-sharp", "model.layers.1.mlp.experts.down_proj_bias", "mlp.experts.down_proj_bias")])
+def test_a_checkpoint_missing_an_expert_or_a_bias_is_refused(tiny_model, tmp_path, run_cli, kind, missing, says):
+    """A fused stack with an unfilled expert slice, or a layer parameter the checkpoint does not hold, would
+    compute with whatever memory held: one line, exit 2, no map."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model(kind), model_dir)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    del tensors[missing]
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli("scan", model_dir, "--max-tokens", "128", "--seq-len", "64", "--out", tmp_path / "m.json")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and says in errors[0] and not (tmp_path / "m.json").exists(), err
 
 
 def test_a_stack_with_two_types_is_refused(tiny_model):

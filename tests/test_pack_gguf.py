@@ -43,7 +43,7 @@ IDS = [504, 2365, 6354, 16438, 216, 33, 34, 35, 36, 37, 1792, 314, 253, 1015, 30
 
 @pytest.mark.parametrize("kind", ["llama-sharp", "mistral-sharp", "qwen2-sharp", "qwen3-sharp", "gemma3-llamacpp-sharp",
                                   "phi3-sharp", "phi3-longrope-sharp", "qwen3-moe-sharp", "qwen2-moe-sharp",
-                                  "mixtral-sharp"])
+                                  "mixtral-sharp", "gpt-oss-llamacpp-sharp"])
 def test_llama_cpp_computes_what_transformers_computes(tiny_model, tmp_path, kind):
     """F16 storage: llama.cpp's logits equal transformers' up to f16 rounding, so names, q/k permutation
     (Llama), norm offset (Gemma 3), biases (Qwen2), q/k norms (Qwen3), fused matrices and longrope

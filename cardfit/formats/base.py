@@ -22,12 +22,19 @@ class Calibration:
     hessian  X^T X / n over calibration tokens, (in, in), for GPTQ
     act_mean mean |activation| per input column, for AWQ's scale search
     inputs   a sample of the tensor's inputs (tokens, in), for AWQ's loss
+    tokens   the input rows the statistics average (a routed expert's: the tokens routed to it; 0 when
+             none was, and the statistics are the stand-ins quant/model.py gives such an expert)
+    importance what a squared error in each input column costs the layer's output per token, where that
+             is not the imatrix: a routed expert's sum of (routing weight x input)^2 over the layer's
+             tokens (a rarely chosen, lightly weighted expert costs little); the weight signal reads it
     """
 
     imatrix: torch.Tensor | None = None
     hessian: torch.Tensor | None = None
     act_mean: torch.Tensor | None = None
     inputs: torch.Tensor | None = None
+    tokens: int | None = None
+    importance: torch.Tensor | None = None
 
 
 class Format:

@@ -69,14 +69,7 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
         raise CardfitError(f"{out} exists", "pass --force to replace it, or choose another --out")
     source = runnable(source)
     check_model(data, source)
-    from ..checkpoint_map import refuse_expert_statistics
-    from ..groups import expert_stack
-
-    if fmt != "gguf" and any(expert_stack(t.name) for t in source.tensors()):
-        raise CardfitError("cardfit does not pack routed experts as compressed-tensors yet (such an artifact "
-                           "does not run back in transformers)", "plan for llama.cpp and pack as --format gguf")
-    if method != "rtn" or imatrix is not None:
-        refuse_expert_statistics([t.name for t in source.tensors()], f"{method} rounding")
+    refuse_unpackable(source, fmt)
     formats = tensor_formats(data, source)
     budget = int(data["budget"]["weight_budget_bytes"])
     if imatrix is not None:
@@ -109,12 +102,30 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
     finally:
         if bar:
             bar.close()
+    from ..calibrate import unvisited_warning
+
+    warnings = result["warnings"] + unvisited_warning(getattr(calib, "unvisited", []))
     # What the budget holds: the whole GGUF file; for compressed-tensors the weights (headers stay on the host).
     counted = result["file_bytes"] if fmt == "gguf" else result["tensor_bytes"]
     return {"artifact": str(out), "target": target.name, "format": fmt, "method": method, "groups": len(data["groups"]),
             "file_bytes": result["file_bytes"], "tensor_bytes": result["tensor_bytes"], "counted_bytes": counted,
             "planned_bytes": data["bytes"], "weight_budget_bytes": budget, "margin_bytes": budget - counted,
-            "predicted_damage": data["predicted_damage"], "warnings": result["warnings"], "smoke": result["smoke"]}
+            "predicted_damage": data["predicted_damage"], "warnings": warnings, "smoke": result["smoke"]}
+
+
+def refuse_unpackable(source, artifact: str, layout: bool = False) -> None:
+    """What cardfit cannot write yet, refused before any work (fit calls it before its scan); with `layout`,
+    (a runnable source) also an architecture or config llama.cpp's GGUF cannot hold or would compute
+    differently (gguf_arch.ArchSpec's refusals)."""
+    from ..groups import expert_stack
+
+    if artifact != "gguf" and any(expert_stack(t.name) for t in source.tensors()):
+        raise CardfitError("cardfit does not pack routed experts as compressed-tensors yet (such an artifact "
+                           "does not run back in transformers)", "plan for llama.cpp and pack as --format gguf")
+    if artifact == "gguf" and layout:
+        from .gguf_arch import ArchSpec
+
+        ArchSpec.for_config(source.config)
 
 
 def _smoke(path, source, fmt, enabled, ceiling, bar):

@@ -5,7 +5,8 @@ These mirror llama.cpp's `convert_hf_to_gguf.py` for the supported families: LLa
 (Llama, SmolLM, Mistral) store q/k rows permuted for llama.cpp's interleaved rotary layout;
 Gemma 3 stores its RMSNorm weights as (1 + w); Qwen2/Qwen3 take the weights as they are; Phi-3
 keeps its fused qkv and gate_up matrices (llama.cpp splits them at run time) and carries its
-longrope factors as two small tensors.
+longrope factors as two small tensors; gpt-oss takes the per-expert matrices cut from its fused stacks
+(checkpoint_map.fused_views), its attention sinks and biases as they are, and YaRN's keys.
 Anything llama.cpp would compute differently from transformers is refused here, before a byte
 is written, rather than discovered by `check`.
 """
@@ -23,10 +24,14 @@ from ..errors import CardfitError
 # HF model_type -> llama.cpp architecture name
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
              "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
-             "qwen3_moe": "qwen3moe"}
+             "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 # Whether llama.cpp renormalises the chosen experts' weights to sum to one, per architecture (its graph
-# hard-codes it: llama (Mixtral) and qwen3moe do, qwen2moe does not); a config asking otherwise is refused.
-EXPERT_WEIGHTS_NORMALISED = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+# hard-codes it: llama (Mixtral), qwen3moe and gpt-oss (a softmax over the chosen) do, qwen2moe does not);
+# a config asking otherwise is refused. Mixtral and gpt-oss have no flag for it.
+EXPERT_WEIGHTS_NORMALISED = {"llama": True, "qwen3moe": True, "qwen2moe": False, "gpt-oss": True}
+UNFLAGGED = ("llama", "gpt-oss")
+# gpt-oss's clamped SwiGLU, which llama.cpp hard-codes (alpha, limit)
+SWIGLU_OAI = (1.702, 7.0)
 
 
 @dataclass
@@ -119,10 +124,19 @@ class ArchSpec:
 
     def refuse_what_llama_cpp_computes_differently(self) -> None:
         cfg = self.config
-        allowed = ("linear", "llama3") + (("longrope", "su") if self.arch == "phi3" else ())
+        allowed = ("linear", "llama3") + (("longrope", "su") if self.arch == "phi3" else ()) \
+            + (("yarn",) if self.arch == "gpt-oss" else ())
         if self.rope_kind is not None and self.rope_kind not in allowed:
             raise CardfitError(f"rope scaling '{self.rope_kind}' is not packed to GGUF by cardfit for {self.arch}",
-                               "models with default, linear or llama3 rope scaling (and Phi-3's longrope) are")
+                               "models with default, linear or llama3 rope scaling (and Phi-3's longrope, "
+                               "gpt-oss's YaRN) are")
+        if self.rope_kind == "yarn":
+            unmodelled = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if self.rope_scaling.get(k)]
+            if unmodelled:
+                raise CardfitError(f"YaRN with {', '.join(unmodelled)} is not packed to GGUF by cardfit",
+                                   "pack it as --format compressed-tensors")
+        if self.arch == "gpt-oss":
+            self.refuse_gpt_oss_llama_cpp_computes_differently()
         if self.longrope:
             scaling = self.rope_scaling
             long, short = scaling.get("long_factor"), scaling.get("short_factor")
@@ -146,9 +160,32 @@ class ArchSpec:
                 raise CardfitError("Gemma 3 with logit soft-capping is not packed to GGUF by cardfit",
                                    "pack it as --format compressed-tensors")
 
+    def warnings(self) -> list[str]:
+        """What llama.cpp computes differently and every GGUF of such a model shares (so it is said, not
+        refused): YaRN's ramp ends rounded to whole dimensions where the config says not to (gpt-oss)."""
+        if self.rope_kind == "yarn" and self.rope_scaling.get("truncate") is False:
+            return ["llama.cpp rounds YaRN's ramp ends to whole dimensions and this config says not to "
+                    "(truncate: false), so its rotary angles differ slightly from transformers' (every GGUF of "
+                    "this model shares it; on a tiny test model ~1% of the logits); check measures what it costs"]
+        return []
+
+    def refuse_gpt_oss_llama_cpp_computes_differently(self) -> None:
+        """llama.cpp's gpt-oss: alpha and limit of its SwiGLU are constants, and even layers slide."""
+        cfg = self.config
+        swiglu = (float(cfg.get("swiglu_alpha", SWIGLU_OAI[0])), float(cfg.get("swiglu_limit", SWIGLU_OAI[1])))
+        if swiglu != SWIGLU_OAI:
+            raise CardfitError(f"llama.cpp's gpt-oss computes SwiGLU with alpha {SWIGLU_OAI[0]} and limit "
+                               f"{SWIGLU_OAI[1]}; this config has {swiglu[0]} and {swiglu[1]}",
+                               "pack it as --format compressed-tensors")
+        layers = int(cfg["num_hidden_layers"])
+        expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        if cfg.get("layer_types") not in (None, expected) or not cfg.get("sliding_window"):
+            raise CardfitError("llama.cpp runs gpt-oss with a sliding window on every even layer and full "
+                               "attention on every odd one; this config differs", "pack it as --format compressed-tensors")
+
     def refuse_moe_llama_cpp_computes_differently(self) -> None:
         cfg = self.config
-        normalised = cfg.get("norm_topk_prob", self.arch == "llama")  # Mixtral renormalises, no flag
+        normalised = cfg.get("norm_topk_prob", self.arch in UNFLAGGED)  # Mixtral and gpt-oss have no flag
         if bool(normalised) != EXPERT_WEIGHTS_NORMALISED[self.arch]:
             does = "renormalises" if EXPERT_WEIGHTS_NORMALISED[self.arch] else "does not renormalise"
             raise CardfitError(f"llama.cpp's {self.arch} {does} the chosen experts' weights; this config's "
@@ -174,8 +211,8 @@ class ArchSpec:
         if self.experts:  # as llama.cpp's converters write them
             writer.add_expert_count(self.experts)
             writer.add_expert_used_count(int(cfg["num_experts_per_tok"]))
-            if cfg.get("moe_intermediate_size"):
-                writer.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+            if cfg.get("moe_intermediate_size") or self.arch == "gpt-oss":  # gpt-oss: its intermediate_size
+                writer.add_expert_feed_forward_length(int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]))
             if cfg.get("shared_expert_intermediate_size"):
                 writer.add_expert_shared_feed_forward_length(int(cfg["shared_expert_intermediate_size"]))
         if self.arch == "phi3":  # as llama.cpp's Phi-3 converter writes them
@@ -184,11 +221,23 @@ class ArchSpec:
             writer.add_sliding_window(int(cfg.get("sliding_window") or 0))  # 0: no window (Phi-4)
             if self.longrope:
                 writer.add_rope_scaling_attn_factors(self.longrope_attention_factor)
-        if self.head_dim != int(cfg["hidden_size"]) // self.n_head or self.arch in ("gemma3", "qwen3", "qwen3moe"):
+        if self.head_dim != int(cfg["hidden_size"]) // self.n_head or self.arch in ("gemma3", "qwen3", "qwen3moe",
+                                                                                   "gpt-oss"):
             writer.add_key_length(self.head_dim)
             writer.add_value_length(self.head_dim)
-        if self.arch == "gemma3":
+        if self.arch in ("gemma3", "gpt-oss"):
             writer.add_sliding_window(int(cfg["sliding_window"]))
+        if self.rope_kind == "yarn":  # as llama.cpp's converter writes YaRN (it always rounds the ramp's ends)
+            import gguf
+
+            scaling = self.rope_scaling
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(float(scaling["factor"]))
+            writer.add_rope_scaling_orig_ctx_len(self.original_context)
+            for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                             ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+                if scaling.get(key) is not None:
+                    add(float(scaling[key]))
         if self.rope_kind == "linear":
             import gguf
 
@@ -231,6 +280,13 @@ class ArchSpec:
 
     # -- tensors ------------------------------------------------------------------------------------
     def tensor_name(self, hf_name: str) -> str:
+        """llama.cpp's name for a checkpoint tensor; a routed expert's matrix is in its stack's `*_exps`."""
+        from ..groups import expert_stack
+
+        stack = expert_stack(hf_name)
+        hf_name = stack[0] if stack else hf_name
+        if not hf_name.endswith((".weight", ".bias")):  # gpt-oss's attention sinks: its converter adds .weight
+            hf_name += ".weight"
         mapping = _name_map(self.arch, int(self.config["num_hidden_layers"]))
         name = mapping.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:

@@ -112,7 +112,7 @@ def _writer(path, source: ModelSource, plan: GgufPlan, name: str):
                                raw_dtype=ggml_type(storage))
     for gguf_name, array in plan.extra.items():
         writer.add_tensor_info(gguf_name, list(array.shape), array.dtype, array.nbytes)
-    return writer, warnings
+    return writer, warnings + plan.spec.warnings()
 
 
 def header_bytes(source: ModelSource, plan: GgufPlan, scratch_dir) -> int:

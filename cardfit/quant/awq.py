@@ -19,6 +19,8 @@ def awq_search(weights: Sequence[torch.Tensor], inputs: torch.Tensor,
                rounder: Callable[[torch.Tensor], torch.Tensor], grid: int = GRID) -> torch.Tensor:
     """The per-input-channel scale s minimising sum_W ||X W^T - X (Q(W s) / s)^T||^2."""
     x = inputs.to(torch.float32)
+    if x.shape[0] == 0:  # no token reached these weights (an unvisited expert): nothing to weigh, plain RTN
+        return torch.ones(x.shape[1], device=x.device)
     ws = [w.detach().to(x.device, torch.float32) for w in weights]
     x_mean = x.abs().mean(dim=0)
     refs = [x @ w.T for w in ws]

@@ -19,25 +19,42 @@ from .awq import awq_search
 
 
 class _LinearStats:
+    """Statistics per input: a Linear's own (hooked on its module), or one routed expert's (tapped from the
+    fused experts module: an expert's gate and up read the same rows and share one entry)."""
+
     def __init__(self, stream, names: list[str], methods, awq_samples: int, seed: int = 0):
+        from ..groups import expert_stack
+        from .experts import expert_taps
+
         self.methods = {methods} if isinstance(methods, str) else set(methods)
-        self.hessian: dict[str, torch.Tensor] = {}
-        self.sq: dict[str, torch.Tensor] = {}
-        self.count: dict[str, int] = {}
-        self.samples: dict[str, list[torch.Tensor]] = {}
-        self.input_ids: dict[str, int] = {}
-        self.shared: dict[int, list[str]] = {}
+        self.hessian: dict = {}
+        self.sq: dict = {}
+        self.count: dict = {}
+        self.samples: dict = {}
+        self.routed: dict = {}  # routed experts' sum of (routing weight x input)^2 per column
+        self.shared: dict = {}
+        self.key_of: dict[str, object] = {}  # tensor name -> the input its statistics are kept under
+        self.columns: dict[str, int] = {}  # routed experts' row widths (for one no token reached)
         self.awq_samples = awq_samples
         self._gen = torch.Generator().manual_seed(seed)
         self._hooks = []
         self._first = True
         self._alive: list[torch.Tensor] = []
-        from ..checkpoint_map import refuse_expert_statistics
-
-        refuse_expert_statistics(names, f"{'/'.join(sorted(self.methods))} statistics")
+        experts = [n for n in names if expert_stack(n)]
         for name in names:
-            module = stream.model.get_submodule(name.rsplit(".", 1)[0])
+            if name in experts:
+                continue
+            self.key_of[name] = name
+            module = stream.model.get_submodule(stream.place[name].param.rsplit(".", 1)[0])  # as transformers names it
             self._hooks.append(module.register_forward_hook(self._hook(name)))
+        self._taps = expert_taps(stream, experts, self._record)
+        self.tap_of: dict[str, object] = {}
+        for tap in self._taps:
+            self.key_of.update(tap.keys)
+            self.columns.update(tap.columns)
+            self.tap_of.update(dict.fromkeys(tap.keys, tap))
+            for group in tap.input_groups():
+                self.shared[tap.keys[group[0]]] = group
 
     def _hook(self, name: str):
         def record(module, args, output):
@@ -45,17 +62,22 @@ class _LinearStats:
             if self._first:  # keep x alive so no later tensor can reuse its id during this batch
                 self._alive.append(x)
                 self.shared.setdefault(id(x), []).append(name)
-            x = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
-            self.count[name] = self.count.get(name, 0) + x.shape[0]
-            if "gptq" in self.methods:  # only what the method reads: X^T X is the costly one
-                self.hessian[name] = self.hessian.get(name, 0) + x.T @ x
-            if "imatrix" in self.methods:
-                self.sq[name] = self.sq.get(name, 0) + (x * x).sum(dim=0)
-            if "awq" in self.methods:
-                take = torch.randperm(x.shape[0], generator=self._gen)[: max(1, self.awq_samples // 8)]
-                self.samples.setdefault(name, []).append(x[take.to(x.device)].cpu())
+            self._record(name, x.detach().reshape(-1, x.shape[-1]).to(torch.float32))
 
         return record
+
+    def _record(self, key, x: torch.Tensor, routing: torch.Tensor | None = None) -> None:
+        self.count[key] = self.count.get(key, 0) + x.shape[0]
+        if routing is not None and "imatrix" in self.methods:  # what the layer's output sees of this expert
+            routed = routing[:, None] * x
+            self.routed[key] = self.routed.get(key, 0) + (routed * routed).sum(dim=0)
+        if "gptq" in self.methods:  # only what the method reads: X^T X is the costly one
+            self.hessian[key] = self.hessian.get(key, 0) + x.T @ x
+        if "imatrix" in self.methods:
+            self.sq[key] = self.sq.get(key, 0) + (x * x).sum(dim=0)
+        if "awq" in self.methods:
+            take = torch.randperm(x.shape[0], generator=self._gen)[: max(1, self.awq_samples // 8)]
+            self.samples.setdefault(key, []).append(x[take.to(x.device)].cpu())
 
     def end_first_batch(self) -> None:
         self._first = False
@@ -64,13 +86,33 @@ class _LinearStats:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        for tap in self._taps:
+            tap.close()
+
+    def unvisited(self) -> list[str]:
+        """Routed experts' matrices no calibration token reached."""
+        return [n for n in self.columns if not self.count.get(self.key_of[n])]
 
     def calibration(self, name: str) -> Calibration:
-        n = self.count[name]
-        inputs = torch.cat(self.samples[name])[: self.awq_samples] if self.samples.get(name) else None
-        imatrix = (self.sq[name] / n).cpu() if name in self.sq else None
-        hessian = (self.hessian[name] / n).cpu() if name in self.hessian else None
-        return Calibration(imatrix=imatrix, hessian=hessian, inputs=inputs)
+        """`name`'s statistics. An expert no token reached gets what llama-quantize gives
+        one: an importance of one per column; for GPTQ the identity (its rounding is then RTN's) and for
+        AWQ an empty sample (no token to weigh: the identity scale)."""
+        key = self.key_of[name]
+        n = self.count.get(key, 0)
+        importance = None
+        if name in self.tap_of and "imatrix" in self.methods:  # per token of the layer, routing weight squared
+            layer_tokens = max(self.tap_of[name].tokens, 1)
+            importance = (self.routed[key] / layer_tokens).cpu() if n else torch.zeros(self.columns[name])
+        if n == 0:
+            columns = self.columns[name]
+            return Calibration(imatrix=torch.ones(columns) if "imatrix" in self.methods else None,
+                               hessian=torch.eye(columns) if "gptq" in self.methods else None,
+                               inputs=torch.zeros(0, columns) if "awq" in self.methods else None, tokens=0,
+                               importance=importance)
+        inputs = torch.cat(self.samples[key])[: self.awq_samples] if self.samples.get(key) else None
+        imatrix = (self.sq[key] / n).cpu() if key in self.sq else None
+        hessian = (self.hessian[key] / n).cpu() if key in self.hessian else None
+        return Calibration(imatrix=imatrix, hessian=hessian, inputs=inputs, tokens=n, importance=importance)
 
     def input_groups(self) -> list[list[str]]:
         return list(self.shared.values())

@@ -22,6 +22,7 @@ class HfDirectorySource(ModelSource):
         self.config = load_config(self.path)
         self.geometry = geometry_from_config(self.config, source=str(self.path / "config.json"))
         self._handles: dict[Path, object] = {}
+        self._views: dict = {}  # per-expert name -> (fused checkpoint tensor, Placement, shape) (gpt-oss)
         self._shards = self._find_shards()
         self.check_against_config()  # headers only: a config that is not these weights' fails here
 
@@ -83,7 +84,25 @@ class HfDirectorySource(ModelSource):
             infos.append(TensorInfo(name, shape, dtype, numel * DTYPE_BYTES.get(dtype, 4), group_of(name)))
         for file in set(self._shards.values()):
             self._check_length(file, [i for i in infos if self._shards[i.name] == file])
-        return infos
+        return self._per_expert(infos)
+
+    def _per_expert(self, infos: list[TensorInfo]) -> list[TensorInfo]:
+        """A checkpoint of fused expert stacks (gpt-oss) as the per-expert matrices runtimes multiply
+        (checkpoint_map.fused_views), each in the place of the stack it comes from."""
+        from ..checkpoint_map import fused_views
+
+        self._views = fused_views(self.geometry.model_type, {i.name: i.shape for i in infos})
+        if not self._views:
+            return infos
+        cut: dict[str, list[TensorInfo]] = {}
+        for name, (fused, _, shape) in self._views.items():
+            dtype = next(i.dtype for i in infos if i.name == fused)
+            numel = 1
+            for d in shape:
+                numel *= d
+            cut.setdefault(fused, []).append(TensorInfo(name, shape, dtype, numel * DTYPE_BYTES.get(dtype, 4),
+                                                        group_of(name)))
+        return [view for i in infos for view in cut.get(i.name, [i])]
 
     @staticmethod
     def _check_length(file: Path, infos: list[TensorInfo]) -> None:
@@ -102,8 +121,13 @@ class HfDirectorySource(ModelSource):
     def read(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """A fresh handle per read: safetensors maps the whole shard, and every page a long-lived
         handle has touched stays in our resident set (the whole model, after one pass)."""
-        if name not in self._shards:
+        view = self._views.get(name) if name not in self._shards else None
+        if name not in self._shards and view is None:
             raise KeyError(name)
-        with safe_open(str(self._shards[name]), framework="pt") as handle:
-            tensor = handle.get_tensor(name)
+        with safe_open(str(self._shards[view[0] if view else name]), framework="pt") as handle:
+            if view is None:
+                tensor = handle.get_tensor(name)
+            else:  # one expert's block of the fused stack is read, then its part cut out
+                fused, place, _ = view
+                tensor = place.within(handle.get_slice(fused)[place.expert]).contiguous()
             return tensor.clone() if dtype is None or dtype == tensor.dtype else tensor.to(dtype)
