@@ -415,13 +415,16 @@ def fit_command(
     scan_method: str = typer.Option("exact", help="exact: measure every cell of the menu (and the source's own "
                                     "types); adaptive: price every type by the weight signal and measure exactly "
                                     "the cells that decide the plan at this budget."),
+    group_by: Optional[str] = typer.Option(None, help="layer or tensor (default: tensor for a mixture-of-experts "
+                                           "model, so routed experts, attention and shared experts get their "
+                                           "own formats; layer otherwise)."),
 ):
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit
 
     fit(model, vram, context, batch, kv_dtype, format, out, formats, calibration, max_tokens, method=method,
         full_check=full_check, device=device, log=typer.echo, refine=refine, ray=ray, workers=workers,
-        scan_method=scan_method)
+        scan_method=scan_method, group_by=group_by)
 
 
 @app.command("compare")

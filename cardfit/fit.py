@@ -70,12 +70,14 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
         full_check: bool = False, check_tokens: int = 2048, device: str = "auto", progress: bool = True,
         log=print, refine: bool = False, refine_tokens: int | None = None, ray: str | None = None,
-        workers: int | None = None, scan_method: str = "exact") -> dict:
+        workers: int | None = None, scan_method: str = "exact", group_by: str | None = None) -> dict:
     """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary.
     `scan_method` "exact" measures every cell of the target's menu and the source's own types;
     "adaptive" prices the target's whole menu by the weight signal and measures exactly the cells that
     decide the plan at this budget. With `ray`, the scan's group sweeps run on that Ray cluster
-    (cluster.py), exactly; the rest stays here."""
+    (cluster.py), exactly; the rest stays here. `group_by` None: per tensor for a mixture-of-experts model
+    (each expert stack, attention matrix and shared expert its own group: the MoE recipe's whole point),
+    per layer otherwise."""
     from .budget import budget as compute_budget
     from .budget import render_budget
     from .pack import pack, refuse_unpackable, render_pack, reserve_bytes
@@ -89,6 +91,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
 
     if scan_method not in ("adaptive", "exact"):
         raise CardfitError(f"unknown --scan-method '{scan_method}'", "use --scan-method exact or adaptive")
+    if group_by not in (None, "layer", "tensor"):
+        raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
     if ray is not None and scan_method == "adaptive":
         raise CardfitError("--ray spreads the exact scan's group sweeps", "drop --ray, or use --scan-method exact")
     if ray is None and workers is not None:
@@ -121,9 +125,14 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     if formats is None:
         formats = scan_menu(target, source, b.weight_budget_bytes - reserve, scan_method)
         _say(log, f"scanning {formats}")
-    _say(log, f"\n== 2. scan ({scan_method}, {max_tokens} calibration tokens; resumes {out / 'sensitivity.json'})")
+    if group_by is None:
+        from .groups import expert_stack
+
+        group_by = "tensor" if any(expert_stack(t.name) for t in source.tensors()) else "layer"
+    _say(log, f"\n== 2. scan ({scan_method}, groups per {group_by}, {max_tokens} calibration tokens; resumes "
+              f"{out / 'sensitivity.json'})")
     map_path = out / "sensitivity.json"
-    sensitivity = scan(model, calibration, max_tokens, formats, "layer", map_path,
+    sensitivity = scan(model, calibration, max_tokens, formats, group_by, map_path,
                        resume=True, device=device, seq_len=seq_len, progress=progress,
                        log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
                        method=scan_method,

@@ -7,8 +7,9 @@ GGUF tensor name) `NAME.in_sum2` = the sum over tokens of each input column squa
 (1, n_per_row), and `NAME.counts` = the tokens summed, shape (1, 1). A routed experts' stack
 (`ffn_up_exps`) has one row per expert, (n_expert, n_per_row) and (n_expert, 1): each expert's sums
 over the tokens routed to it, 0 and 0 for an expert no token reached (llama-quantize then weighs its
-columns equally; so does cardfit). Statistics are collected on the unquantized model, as llama.cpp does. The token embedding is a lookup, not a matmul, so it
-has no entry; a tied output matrix is the embedding and has none either.
+columns equally; so does cardfit). Statistics are collected on the unquantized model, as llama.cpp
+does. The token embedding is a lookup, not a matmul, so it has no entry; a tied output matrix is the
+embedding and has none either.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    return {"imatrix": str(out), "entries": len(rows), "tokens": tokens, "unvisited": calib.unvisited, "chunks": int(chunks.shape[0]),
-            "chunk_size": int(chunks.shape[1]), "dataset": text_path.name}
+    return {"imatrix": str(out), "entries": len(rows), "tokens": tokens, "unvisited": calib.unvisited,
+            "chunks": int(chunks.shape[0]), "chunk_size": int(chunks.shape[1]), "dataset": text_path.name}
 
 
 class ImatrixFile:

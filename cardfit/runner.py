@@ -78,16 +78,18 @@ class StreamedModel:
         """Every slice of a fused expert stack has a checkpoint tensor (an unfilled one would compute with
         whatever the allocation held)."""
         slices: dict[str, set] = {}
+        parts: dict[str, int] = {}
         for place in self.place.values():
             if not place.whole:
                 slices.setdefault(place.param, set()).add((place.expert, place.part))
+                parts[place.param] = place.parts
         for param, have in slices.items():
-            parts = 1 + max(part for _, part in have)
             experts = self.model.get_parameter(param).shape[0]
-            missing = sorted({(e, p) for e in range(experts) for p in range(parts)} - have)
+            missing = sorted({(e, p) for e in range(experts) for p in range(parts[param])} - have)
             if missing:
                 raise CardfitError(f"the checkpoint has no tensor for expert {missing[0][0]} of {param} ({len(missing)} "
-                                   f"of {experts * parts} expert matrices missing)", "restore the model's original weights")
+                                   f"of {experts * parts[param]} expert matrices missing)",
+                                   "restore the model's original weights")
 
     # -- weights --------------------------------------------------------------------------------------
     def group_tensors(self, group: str) -> list[str]:

@@ -70,11 +70,12 @@ def _save_tiny(kind: str, path: Path, shard: str | None = None) -> Path:
         config = MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
                                tie_word_embeddings=False, sliding_window=None)
     elif kind in ("gpt-oss", "gpt-oss-llamacpp"):  # fused in x out expert stacks with biases, attention sinks,
-        # YaRN as the real config has it (truncate false), or as llama.cpp computes it (ramp ends rounded)
+        # a window (8) shorter than the test prompts, and YaRN as the real config has it (truncate false) or as
+        # llama.cpp computes it (ramp ends rounded)
         yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": kind == "gpt-oss-llamacpp", "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
         config = GptOssConfig(**{**common, "intermediate_size": 64, "max_position_embeddings": 131072}, head_dim=16,
-                              num_local_experts=4, num_experts_per_tok=2, sliding_window=32, rope_parameters=yarn,
+                              num_local_experts=4, num_experts_per_tok=2, sliding_window=8, rope_parameters=yarn,
                               tie_word_embeddings=False)
     elif kind == "deepseek-v2":  # MLA, a shared expert beside the routed ones, a dense first layer
         config = DeepseekV2Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4,

@@ -453,6 +453,22 @@ def test_a_checkpoint_missing_an_expert_or_a_bias_is_refused(tiny_model, tmp_pat
     assert code == 2 and len(errors) == 1 and says in errors[0] and not (tmp_path / "m.json").exists(), err
 
 
+def test_fit_groups_an_moe_model_per_tensor(tiny_model, tmp_path, monkeypatch):
+    """fit's default grouping for an MoE model is per tensor (expert stacks apart from attention), per layer
+    otherwise; the random model's perplexity is past the corpse ceiling, so the ceiling is lifted here."""
+    import cardfit.check
+    from cardfit.fit import fit
+
+    monkeypatch.setattr(cardfit.check, "DEFAULT_CEILING", 1e9)
+    model_dir = tiny_model("qwen3-moe-sharp")
+    fit(model_dir, "1GiB", context=256, out=tmp_path / "run", formats="Q8_0,Q4_0", max_tokens=128, seq_len=64,
+        progress=False, log=None, device="cpu")
+    names = [g["name"] for g in json.loads((tmp_path / "run" / "sensitivity.json").read_text())["groups"]]
+    assert "model.layers.0.mlp.experts.down_proj.weight" in names and "model.layers.0.self_attn.q_proj.weight" in names
+    recipe = json.loads((tmp_path / "run" / "recipe.json").read_text())
+    assert recipe["groups"] and (tmp_path / "run" / "model.gguf").exists()
+
+
 def test_a_stack_with_two_types_is_refused(tiny_model):
     """One GGUF tensor holds every expert of a projection: a format per expert cannot be written."""
     from cardfit.formats import get_format
