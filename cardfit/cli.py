@@ -18,7 +18,7 @@ from .errors import CardfitError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fit an open LLM into a fixed memory ceiling with the least quality lost, and prove it.")
-_state = {"debug": False}
+_state = {"debug": False, "signalled": None}  # signalled: the SIGINT/SIGTERM that arrived during the command
 
 
 def _finite_check(test, wanted: str):
@@ -536,14 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     that end a run here (errors and signals alike) have already removed anything half-written
     by the time this prints its line."""
     argv = _optional_values(list(sys.argv[1:] if argv is None else argv))
+    _state["signalled"] = None
     with _signals_raise():
         try:
             code = app(args=argv, standalone_mode=False, prog_name="cardfit")
         except CardfitError as exc:
             return _fail(exc, f"error: {exc}", 2)
         except Terminated as exc:
-            return _fail(exc, "terminated — nothing half-written was left; rerun to continue "
-                              "(scan --resume keeps finished cells)", 143)
+            return _fail(exc, TERMINATED, 143)
         except (KeyboardInterrupt, typer.Abort) as exc:
             return _fail(exc, INTERRUPTED, 130)
         except typer.Exit as exc:
@@ -554,6 +554,14 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(exc, "error: out of memory — lower --max-tokens or --batch, or set --memory-cap", 2)
         except OSError as exc:
             return _fail(exc, f"error: {_os_problem(exc)}", 2)
+        except Exception as exc:
+            # a signal whose exception a native library turned into its own error (safetensors reports a
+            # Ctrl-C that lands inside get_tensor as a ValueError): still the interruption it was
+            if _state["signalled"] == signal.SIGINT:
+                return _fail(exc, INTERRUPTED, 130)
+            if _state["signalled"] == signal.SIGTERM:
+                return _fail(exc, TERMINATED, 143)
+            raise
     if code == 130:  # typer turns KeyboardInterrupt into this return value
         typer.echo(INTERRUPTED, err=True)
         return 130
@@ -576,6 +584,8 @@ def _optional_values(argv: list[str]) -> list[str]:
 
 INTERRUPTED = ("interrupted — nothing half-written was left; rerun to continue "
                "(scan --resume keeps finished cells)")
+TERMINATED = ("terminated — nothing half-written was left; rerun to continue "
+              "(scan --resume keeps finished cells)")
 
 
 class Terminated(BaseException):
@@ -584,19 +594,27 @@ class Terminated(BaseException):
 
 @contextlib.contextmanager
 def _signals_raise():
-    """SIGTERM raises Terminated for the length of a command (only the main thread may set handlers)."""
-    def handler(signum, frame):
+    """SIGTERM raises Terminated and SIGINT KeyboardInterrupt for the length of a command, each noting
+    that it came (only the main thread may set handlers)."""
+    def terminate(signum, frame):
+        _state["signalled"] = signum
         raise Terminated()
 
+    def interrupt(signum, frame):
+        _state["signalled"] = signum
+        raise KeyboardInterrupt()
+
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, terminate),
+                    signal.SIGINT: signal.signal(signal.SIGINT, interrupt)}
     except ValueError:  # not the main thread (e.g. called from a test runner's worker)
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _fail(exc: BaseException, line: str, code: int) -> int:

@@ -129,3 +129,23 @@ def test_a_signal_mid_work_exits_cleanly_and_leaves_nothing_half_written(kind, s
         assert read_map(work / "map.json")["complete"] is False
     if kind == "imatrix":
         assert not (work / "imatrix.gguf").exists()
+
+
+def test_a_signal_a_native_library_turns_into_its_own_error_is_still_an_interruption(run_cli, tmp_path,
+                                                                                      monkeypatch):
+    """safetensors reports a Ctrl-C that lands inside get_tensor as a ValueError; the command still ends
+    as interrupted (130, one line, no file), not as a traceback."""
+    from cardfit.sources.hf_dir import HfDirectorySource
+
+    def read(self, name, dtype=None):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    monkeypatch.setattr(HfDirectorySource, "read", read)
+    code, _, err = run_cli("imatrix", "--max-tokens", "64", "--seq-len", "32", "--out", tmp_path / "im.gguf")
+    lines = [line for line in err.splitlines() if line.strip() and "it/s" not in line]
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("interrupted"), err
+    assert not (tmp_path / "im.gguf").exists() and not list(tmp_path.rglob("*.part"))
