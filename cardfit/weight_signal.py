@@ -7,7 +7,8 @@ quantizers minimize and the one llama.cpp's automatic allocator (`llama-quantize
 sums. A cell's damage is that expected squared output error per token, summed over the group's
 matrices. A routed expert's error reaches the layer's output only for the tokens routed to it, scaled
 by their routing weight: its columns weigh (routing weight x input)^2 summed over its tokens and divided
-by all the layer's tokens (quant/experts.py), so an expert stack's cell is its expected share per token. The token embedding is a lookup, so its input is one-hot: a row weighs by how often its
+by all the layer's tokens (quant/experts.py), so an expert stack's cell is its expected share per token.
+The token embedding is a lookup, so its input is one-hot: a row weighs by how often its
 token occurs in the calibration text (and, when tied, also as the head, by the final norm's mean x²).
 
 Cost: one walk of the calibration tokens through the unquantized model, layer by layer (the

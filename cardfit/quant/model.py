@@ -34,7 +34,6 @@ class _LinearStats:
         self.routed: dict = {}  # routed experts' sum of (routing weight x input)^2 per column
         self.shared: dict = {}
         self.key_of: dict[str, object] = {}  # tensor name -> the input its statistics are kept under
-        self.columns: dict[str, int] = {}  # routed experts' row widths (for one no token reached)
         self.awq_samples = awq_samples
         self._gen = torch.Generator().manual_seed(seed)
         self._hooks = []
@@ -48,10 +47,9 @@ class _LinearStats:
             module = stream.model.get_submodule(stream.place[name].param.rsplit(".", 1)[0])  # as transformers names it
             self._hooks.append(module.register_forward_hook(self._hook(name)))
         self._taps = expert_taps(stream, experts, self._record)
-        self.tap_of: dict[str, object] = {}
+        self.tap_of: dict[str, object] = {}  # routed expert's tensor name -> the tap that sees its rows
         for tap in self._taps:
             self.key_of.update(tap.keys)
-            self.columns.update(tap.columns)
             self.tap_of.update(dict.fromkeys(tap.keys, tap))
             for group in tap.input_groups():
                 self.shared[tap.keys[group[0]]] = group
@@ -91,7 +89,7 @@ class _LinearStats:
 
     def unvisited(self) -> list[str]:
         """Routed experts' matrices no calibration token reached."""
-        return [n for n in self.columns if not self.count.get(self.key_of[n])]
+        return [n for n in self.tap_of if not self.count.get(self.key_of[n])]
 
     def calibration(self, name: str) -> Calibration:
         """`name`'s statistics. An expert no token reached gets what llama-quantize gives
@@ -99,12 +97,12 @@ class _LinearStats:
         AWQ an empty sample (no token to weigh: the identity scale)."""
         key = self.key_of[name]
         n = self.count.get(key, 0)
+        tap = self.tap_of.get(name)
         importance = None
-        if name in self.tap_of and "imatrix" in self.methods:  # per token of the layer, routing weight squared
-            layer_tokens = max(self.tap_of[name].tokens, 1)
-            importance = (self.routed[key] / layer_tokens).cpu() if n else torch.zeros(self.columns[name])
+        if tap is not None and "imatrix" in self.methods:  # per token of the layer, routing weight squared
+            importance = (self.routed[key] / max(tap.tokens, 1)).cpu() if n else torch.zeros(tap.columns[name])
         if n == 0:
-            columns = self.columns[name]
+            columns = tap.columns[name]
             return Calibration(imatrix=torch.ones(columns) if "imatrix" in self.methods else None,
                                hessian=torch.eye(columns) if "gptq" in self.methods else None,
                                inputs=torch.zeros(0, columns) if "awq" in self.methods else None, tokens=0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from functools import cached_property
 from pathlib import Path
 
@@ -76,12 +77,7 @@ class HfDirectorySource(ModelSource):
             except Exception:
                 raise CardfitError(f"{file.name} does not contain tensor {name} named by the index",
                                    "restore the model's original shards") from None
-            shape = tuple(view.get_shape())
-            dtype = view.get_dtype()
-            numel = 1
-            for d in shape:
-                numel *= d
-            infos.append(TensorInfo(name, shape, dtype, numel * DTYPE_BYTES.get(dtype, 4), group_of(name)))
+            infos.append(_info(name, tuple(view.get_shape()), view.get_dtype()))
         for file in set(self._shards.values()):
             self._check_length(file, [i for i in infos if self._shards[i.name] == file])
         return self._per_expert(infos)
@@ -94,14 +90,10 @@ class HfDirectorySource(ModelSource):
         self._views = fused_views(self.geometry.model_type, {i.name: i.shape for i in infos})
         if not self._views:
             return infos
+        dtypes = {i.name: i.dtype for i in infos}
         cut: dict[str, list[TensorInfo]] = {}
         for name, (fused, _, shape) in self._views.items():
-            dtype = next(i.dtype for i in infos if i.name == fused)
-            numel = 1
-            for d in shape:
-                numel *= d
-            cut.setdefault(fused, []).append(TensorInfo(name, shape, dtype, numel * DTYPE_BYTES.get(dtype, 4),
-                                                        group_of(name)))
+            cut.setdefault(fused, []).append(_info(name, shape, dtypes[fused]))
         return [view for i in infos for view in cut.get(i.name, [i])]
 
     @staticmethod
@@ -131,3 +123,8 @@ class HfDirectorySource(ModelSource):
                 fused, place, _ = view
                 tensor = place.within(handle.get_slice(fused)[place.expert]).contiguous()
             return tensor.clone() if dtype is None or dtype == tensor.dtype else tensor.to(dtype)
+
+
+def _info(name: str, shape: tuple[int, ...], dtype: str) -> TensorInfo:
+    """A tensor's entry from its header: bytes as stored (unknown dtypes priced at 4 bytes)."""
+    return TensorInfo(name, shape, dtype, math.prod(shape) * DTYPE_BYTES.get(dtype, 4), group_of(name))
