@@ -1,10 +1,12 @@
-"""The four ways to price a map, on one model, side by side: exact, weight, fast and adaptive.
+"""The ways to price a map, on one model, side by side: exact, weight, fast and adaptive.
 
 Scans the model each way over the same calibration tokens and formats (timing each), then reports each
 cheap map's Spearman rank correlation with the exact map's cells and, at three budgets (the sizes of
 uniform `--budget-formats`, GGUF reserve included), the plan each map makes priced by the *exact* map
 (the summed measured KL of the cells it chose): how much a plan loses by trusting the cheap signal.
-Adaptive measures exactly where those budgets are decided, so its plans should equal exact's.
+Adaptive measures exactly where those budgets are decided, so its plans should equal exact's: once for
+all three budgets (`adaptive`), once for the middle one alone (`adaptive-one`, fit's case), each seeded
+by --signal (default: both fast and weight, as `adaptive-weight`, `adaptive-one-weight`).
 
     python bench/signals.py --model qwen2.5-coder-0.5b --out bench-out/signals-0.5b
 
@@ -54,6 +56,8 @@ def main() -> None:
     parser.add_argument("--budget-formats", default="Q5_K,Q4_K,Q3_K")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--signals", default="fast,weight", help="what seeds the adaptive scans")
+    parser.add_argument("--maps", default=None, help="only these cheap maps, e.g. fast,adaptive-one (exact always)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,23 +71,30 @@ def main() -> None:
     reserve = reserve_bytes(source, "llama.cpp")
     exact = maps["exact"]
     budgets = [reserve + sum(g["bytes"][f] for g in exact["groups"]) for f in args.budget_formats.split(",")]
-    for name, extra in (("weight", {"method": "weight"}), ("fast", {"method": "fast"}),
-                        ("adaptive", {"method": "adaptive", "weight_budgets": budgets})):
+    runs = [("weight", {"method": "weight"}), ("fast", {"method": "fast"})]
+    for signal in args.signals.split(","):
+        suffix = "" if signal == "fast" else f"-{signal}"
+        runs += [(f"adaptive{suffix}", {"method": "adaptive", "weight_budgets": budgets, "signal": signal}),
+                 (f"adaptive-one{suffix}", {"method": "adaptive", "weight_budgets": budgets[1:2], "signal": signal})]
+    if args.maps:
+        runs = [(name, extra) for name, extra in runs if name in args.maps.split(",")]
+    for name, extra in runs:
         maps[name] = timed_scan(out / f"{name}.json", timings, name, **common, **extra)
         timings_path.write_text(json.dumps(timings, indent=1))
 
     print(f"model {args.model or 'embedded'}, formats {args.formats}, {exact['calibration']['tokens']} tokens; "
           f"{len(exact['groups'])} groups")
-    print("\n| map | scan time | Spearman vs exact | cells measured exactly (of all) |")
+    print("\n| map | scan time (of exact's) | Spearman vs exact | cells measured exactly (of all) |")
     print("|---|---|---|---|")
     for name, result in maps.items():
         pairs = [(ge["cells"][f]["damage"], gs["cells"][f]["damage"]) for ge, gs in zip(exact["groups"], result["groups"])
                  for f in exact["formats"] if ge["cells"][f]["damage"] > 0]
         rho = spearmanr(*zip(*pairs)).statistic
         total = sum(len(g["cells"]) for g in result["groups"])
-        measured = {"exact": total, "adaptive": result.get("adaptive", {}).get("exact_cells")}.get(name, 0)
+        measured = total if name == "exact" else result.get("adaptive", {}).get("exact_cells", 0)
         seconds = timings.get(name)
-        print(f"| {name} | {'%.0f s' % seconds if seconds else 'reused'} | {rho:.3f} | {measured} of {total} |")
+        share = f" ({seconds / timings['exact']:.0%})" if seconds and timings.get("exact") else ""
+        print(f"| {name} | {'%.0f s' % seconds + share if seconds else 'reused'} | {rho:.3f} | {measured} of {total} |")
     print("\n| budget | exact plan (its KL) | " + " | ".join(f"{n} plan, priced by exact" for n in maps if n != "exact")
           + " |")
     print("|---|---|" + "---|" * (len(maps) - 1))

@@ -1,23 +1,29 @@
-"""The adaptive scan: price every cell with the weight signal, measure exactly only where the plan is decided.
+"""The adaptive scan: price every cell with a cheap signal, measure exactly only where the plan is decided.
 
-The weight signal (weight_signal.py) ranks a group's formats well but is not in nats, and its scale
-differs from group to group (a late layer's large activations inflate it; the KL it causes does not
-follow). So each group's signal is scaled to KL by the cells of that group already measured exactly
-(the geometric mean of their ratios), and the plan is solved on exact cells where they exist and
-scaled signals elsewhere. A cell can change a plan if it is a group's chosen format or one step
-either side of it in bytes: those are measured exactly, the plan is solved again, and the loop
-stops when, at every budget asked for, each group's choice and its two neighbours are exact.
-Round one measures the choices of the plan on the raw signal, which gives every group its scale.
+The signal is the streamed Fisher's predicted KL (`fast`, fisher.py) or the weight signal
+(weight_signal.py, for roundings the Fisher does not price). Neither is exact, and the weight signal
+is not even in nats, with a scale that differs from group to group. So each group's signal is scaled to
+KL by the cells of that group already measured exactly (the geometric mean of their ratios; the pooled
+median for a group with none), and the plan is solved on exact cells where they exist and scaled
+signals elsewhere.
 
-A plan cannot be moved by a cell it does not choose unless that cell's estimate is off by more than
-the margin to the choice; far cells are the ones the signal ranks most reliably (many bits away).
-What it does not promise: a far cell whose estimate is badly too high stays unmeasured. The map says
-which cells were measured (no `method`) and which estimated (`method: estimate`, with `signal`).
+Round one measures the choices of the plans on the raw signal, which gives every group its scale and
+the signal its measured error: the RMS log error of each measured cell as predicted from the others
+(signal_error). Every later round measures each plan's estimated choices, and each estimated cell
+that the plan would take if its damage were BAND such errors lower than estimated (found by solving
+again with that one cell lowered). The loop stops when no cell is left to measure at any budget.
+
+What it does not promise: two cells that are each within the band but together overestimated can
+still hide a better plan, and a signal much worse on the unmeasured cells than on the measured ones
+is not caught by its measured error. bench/adaptive_replay.py replays the rule on finished maps.
+The map says which cells were measured (no `method`) and which estimated (`method: estimate`, with
+`signal`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -44,17 +50,87 @@ def scaled_estimates(groups: list[dict], formats: list[str]) -> dict[tuple[int, 
     return out
 
 
-def deciding_cells(problem, choices: list[list[int]]) -> set[tuple[int, int]]:
-    """(group, format index) of each group's chosen format and its neighbours one step either side in
-    bytes (formats of equal bytes count as one step), over every plan in `choices`."""
-    wanted = set()
-    for choice in choices:
-        for g, c in enumerate(choice):
-            allowed = [j for j in range(len(problem.formats)) if problem.allowed[g, j]]
-            sizes = sorted({int(problem.bytes[g, j]) for j in allowed})
-            k = sizes.index(int(problem.bytes[g, c]))
-            near = set(sizes[max(k - 1, 0):k + 2])
-            wanted |= {(g, j) for j in allowed if int(problem.bytes[g, j]) in near}
+BAND = 2.0  # how many of the signal's measured log errors a cell's estimate may be off by
+SOLVE_CELLS = 2000  # plans of more cells than this trust the dual bound alone (a solve each costs ~1 s there)
+
+
+def signal_error(groups: list[dict], formats: list[str]) -> float | None:
+    """The signal's error once scaled, measured on the map itself: the RMS log error of each exact cell
+    predicted from the other exact cells of its group (the pooled median where it is its group's only one)
+    — how scaled_estimates would have priced it. None below three such cells."""
+    ratios = {i: [math.log(c["damage"] / c["signal"]) for f in formats
+                  if (c := g["cells"].get(f)) and c.get("method") is None and c["damage"] > 0 and c.get("signal", 0) > 0]
+              for i, g in enumerate(groups)}
+    residuals = []
+    for i, own in ratios.items():
+        for k, ratio in enumerate(own):
+            others = own[:k] + own[k + 1:]
+            pooled = [r for j, rs in ratios.items() if j != i for r in rs]
+            if others or pooled:
+                residuals.append(ratio - (sum(others) / len(others) if others else float(np.median(pooled))))
+    return math.sqrt(sum(r * r for r in residuals) / len(residuals)) if len(residuals) >= 3 else None
+
+
+def dual_bound(problem, budget: int) -> tuple[float, np.ndarray]:
+    """(λ, each group's least damage + λ·bytes over its allowed formats) at the λ that maximises the plan's
+    Lagrangian dual Σ_g min_f (damage + λ·bytes) − λ·budget. Any λ makes that sum a lower bound on every
+    plan within the budget (tied formats dropped only loosen it), so it prunes without solving."""
+    damage = np.where(problem.allowed, problem.damage, np.inf)
+    size = problem.bytes.astype(float)
+    rows = np.arange(damage.shape[0])
+
+    def at(lam: float) -> tuple[np.ndarray, float]:
+        cost = damage + lam * size
+        k = cost.argmin(axis=1)
+        return cost[rows, k], float(size[rows, k].sum())
+
+    if at(0.0)[1] <= budget:
+        return 0.0, at(0.0)[0]
+    low, high = 0.0, 1.0
+    for _ in range(200):  # the least-bytes choice fits (the budget was checked), so some λ gets there
+        if at(high)[1] <= budget:
+            break
+        low, high = high, high * 2
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if at(middle)[1] > budget else (low, middle)
+    best = max((low, high), key=lambda lam: at(lam)[0].sum() - lam * budget)
+    return best, at(best)[0]
+
+
+def deciding_cells(problem, budgets: list[int], choices: list[list[int]], estimated: set[tuple[int, int]],
+                   error: float | None) -> set[tuple[int, int]]:
+    """(group, format index) of the estimated cells that can decide a plan: each plan's own choices, and
+    every cell that the plan would take if its damage were BAND measured errors lower than estimated
+    (solved again with only that cell lowered, unless the dual bound already shows the plan would not
+    take it; above SOLVE_CELLS cells the bound alone decides, so a few more cells are measured, never
+    fewer; no error measured yet: the choices, then every cell)."""
+    from .plan import _solve
+
+    wanted = {(g, c) for choice in choices for g, c in enumerate(choice) if (g, c) in estimated}
+    if error is None:
+        return wanted or {(g, j) for g, j in estimated if problem.allowed[g, j]}
+    slack = math.exp(BAND * error)
+    solve = int(problem.allowed.sum()) <= SOLVE_CELLS
+    for budget, choice in zip(budgets, choices):
+        best = sum(problem.damage[g, c] for g, c in enumerate(choice))
+        lam, least = dual_bound(problem, budget)
+        floor = least.sum() - lam * budget
+        for g, j in sorted(estimated - wanted):
+            c = choice[g]
+            low = problem.damage[g, j] / slack
+            if not problem.allowed[g, j] or (problem.bytes[g, j] >= problem.bytes[g, c] and low >= problem.damage[g, c]):
+                continue  # no cheaper in bytes and no better even at its optimistic damage
+            if floor - least[g] + low + lam * problem.bytes[g, j] >= best:
+                continue  # every plan through this cell, even at its optimistic damage, is no better
+            if not solve:
+                wanted.add((g, j))
+                continue
+            trial = replace(problem, damage=problem.damage.copy())
+            trial.damage[g, j] = low
+            solution = _solve(trial, budget)
+            if solution is not None and solution.choice[g] == j:
+                wanted.add((g, j))
     return wanted
 
 
@@ -87,10 +163,12 @@ def adaptive_rounds(result: dict, budgets: list[int], measure, log=None, max_rou
         choices = []
         for budget in budgets:
             choices.append(_solve(problem, budget).choice)
+        estimated = {(g, j) for g, entry in enumerate(result["groups"]) for j, f in enumerate(formats)
+                     if entry["cells"][f].get("method") == "estimate"}
+        error = signal_error(result["groups"], formats)
         todo: dict[int, list[str]] = {}
-        for g, j in sorted(deciding_cells(problem, choices)):
-            if result["groups"][g]["cells"][formats[j]].get("method") == "estimate":
-                todo.setdefault(g, []).append(formats[j])
+        for g, j in sorted(deciding_cells(problem, budgets, choices, estimated, error)):
+            todo.setdefault(g, []).append(formats[j])
         if not todo:
             return rounds
         if log:

@@ -138,9 +138,9 @@ def scan_command(
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration chunk."),
     batch: int = typer.Option(4, min=1, help="Chunks per forward."),
     method: str = typer.Option("exact", help="exact (measured KL, streamed), weight (imatrix-weighted weight "
-                                             "error, one layer walk, seconds to minutes), adaptive (weight "
-                                             "signal, measured exactly where the plan at --weight-budget is "
-                                             "decided) or fast (diagonal-Fisher estimate, whole model resident)."),
+                                             "error, one layer walk, seconds to minutes), fast (diagonal-Fisher "
+                                             "estimate, streamed layer by layer) or adaptive (a cheap signal, "
+                                             "measured exactly where the plan at --weight-budget is decided)."),
     dtype: str = typer.Option("auto", callback=_dtype, help=DTYPE_HELP),
     gpu_memory: Optional[str] = typer.Option(None, help="Device memory the scan may hold (CUDA; default 90% of "
                                                          "what is free): layers that fit stay resident."),
@@ -156,6 +156,9 @@ def scan_command(
                                                          "for boundary activations (default: Ray's object store)."),
     weight_budget: Optional[str] = typer.Option(None, help="With --method adaptive: the budgets (plan's "
                                                            "--weight-budget, comma-separated) whose plans it decides."),
+    signal: Optional[str] = typer.Option(None, help="With --method adaptive: what prices the cells it does not "
+                                                    "measure: fast (streamed Fisher; default for --rounding rtn) "
+                                                    "or weight (the weight signal; default otherwise)."),
 ):
     """Damage of every layer group at every format: the sensitivity map."""
     from .scan import scan
@@ -167,7 +170,7 @@ def scan_command(
     result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding, seq_len,
                   batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
                   log=typer.echo, estimate=estimate, ray=ray, workers=workers, shared_dir=shared_dir,
-                  weight_budgets=budgets)
+                  weight_budgets=budgets, signal=signal)
     if estimate:
         if result["estimate"] is None:
             typer.echo(f"{out} is complete: nothing to measure")
@@ -412,9 +415,11 @@ def fit_command(
     ray: Optional[str] = typer.Option(None, "--ray", metavar="[ADDRESS]",
                                       help="Run the scan's group sweeps on a Ray cluster (as scan --ray)."),
     workers: Optional[int] = typer.Option(None, help="With --ray: sweeps at a time."),
-    scan_method: str = typer.Option("exact", help="exact: measure every cell of the menu (and the source's own "
-                                    "types); adaptive: price every type by the weight signal and measure exactly "
-                                    "the cells that decide the plan at this budget."),
+    scan_method: Optional[str] = typer.Option(None, help="adaptive (default): price every type on the target's "
+                                              "menu by the fast (Fisher) signal and measure exactly the cells that "
+                                              "could decide the plan at this budget; exact: measure every cell of "
+                                              "the default menu and the source's own types (the default with --ray, "
+                                              "or where the directory's map was scanned that way)."),
     group_by: Optional[str] = typer.Option(None, help="layer or tensor (default: tensor for a mixture-of-experts "
                                            "model, so routed experts, attention and shared experts get their "
                                            "own formats; layer otherwise)."),

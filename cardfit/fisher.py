@@ -219,3 +219,32 @@ def predicted_kl(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.
         delta = quantized[start:start + rows].to(torch.float32) - original[start:start + rows].to(torch.float32)
         total += float(torch.dot(fisher[start:start + rows].reshape(-1), delta.square_().reshape(-1)))
     return 0.5 * total
+
+
+def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device: str | torch.device = "cpu",
+                 batch: int = 4, done: Callable[[int, dict[str, float]], None] | None = None) -> None:
+    """The predicted KL of every to-do cell (group index, group, format), RTN rounding: `done(index,
+    {format: nats})` as each group's Fisher becomes final, its tensors read once for all its formats;
+    then the Fisher is dropped. Refuses a group the pass never reached rather than leave holes."""
+    from .errors import CardfitError
+    from .scan import pending_by_group
+
+    pending = pending_by_group(todo)
+
+    def price(fisher: dict[str, torch.Tensor]) -> None:
+        for index in [i for i in pending if all(t.name in fisher for t in groups[i].quantizable)]:
+            formats = pending.pop(index)
+            damage = dict.fromkeys((f.name for f in formats), 0.0)
+            for t in groups[index].quantizable:
+                weight = source.read(t.name)
+                for fmt in formats:
+                    if fmt.storage(t.name, t.shape) != "F32":
+                        damage[fmt.name] += predicted_kl(fisher[t.name], weight,
+                                                         fmt.roundtrip(t.name, weight, None, "rtn"))
+            if done is not None:
+                done(index, damage)
+
+    streamed_fisher(source, chunks, price, device=device, batch=batch)
+    if pending:  # a group whose tensors the model does not run (none today)
+        raise CardfitError(f"the Fisher pass never reached {', '.join(groups[i].name for i in pending)}",
+                           "scan with --method exact")

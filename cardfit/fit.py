@@ -65,16 +65,27 @@ def scan_menu(target, source, tensor_budget: int, method: str = "exact") -> str:
     return ",".join(names)
 
 
+def _scanned_method(path: Path) -> str | None:
+    """The scan method of a fit directory's map, so a rerun resumes it as it was begun (None: no readable
+    map; scan itself then refuses or starts one)."""
+    try:
+        method = json.loads(path.read_text(encoding="utf-8"))["damage"]["method"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return next((m for m in ("exact", "adaptive") if isinstance(method, str) and method.startswith(m)), None)
+
+
 def fit(model: str | Path | None = None, vram: str | int | None = None, context: int = 8192, batch: int = 1,
         kv_dtype: str = "f16", format: str = "gguf", out: str | Path = "cardfit-out", formats: str | None = None,
         calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
         full_check: bool = False, check_tokens: int = 2048, device: str = "auto", progress: bool = True,
         log=print, refine: bool = False, refine_tokens: int | None = None, ray: str | None = None,
-        workers: int | None = None, scan_method: str = "exact", group_by: str | None = None) -> dict:
+        workers: int | None = None, scan_method: str | None = None, group_by: str | None = None) -> dict:
     """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary.
-    `scan_method` "exact" measures every cell of the target's menu and the source's own types;
-    "adaptive" prices the target's whole menu by the weight signal and measures exactly the cells that
-    decide the plan at this budget. With `ray`, the scan's group sweeps run on that Ray cluster
+    `scan_method` "adaptive" (the default) prices the target's whole menu by the fast (Fisher) signal and
+    measures exactly the cells that decide the plan at this budget; "exact" measures every cell of the
+    target's default menu and the source's own types (the default with `ray`, and for a directory whose
+    map was scanned that way). With `ray`, the scan's group sweeps run on that Ray cluster
     (cluster.py), exactly; the rest stays here. `group_by` None: per tensor for a mixture-of-experts model
     (each expert stack, attention matrix and shared expert its own group: the MoE recipe's whole point),
     per layer otherwise."""
@@ -89,6 +100,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     from .sources import open_model, runnable
     from .targets import all_targets, for_artifact
 
+    if scan_method is None:
+        scan_method = _scanned_method(Path(out) / "sensitivity.json") or ("exact" if ray is not None else "adaptive")
     if scan_method not in ("adaptive", "exact"):
         raise CardfitError(f"unknown --scan-method '{scan_method}'", "use --scan-method exact or adaptive")
     if group_by not in (None, "layer", "tensor"):
@@ -231,8 +244,9 @@ def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dic
              "|---|---|---|---|" + "---|" * len(formats)]
     cells = {g["name"]: g["cells"] for g in sensitivity["groups"]}
     if any(c.get("method") == "estimate" for group in cells.values() for c in group.values()):
-        lines[-2:-2] = ["`~`: estimated from the weight signal (adaptive scan), not measured; every cell that "
-                        "decides the plan at this budget was measured.", ""]
+        signal = sensitivity.get("adaptive", {}).get("signal", "weight")
+        lines[-2:-2] = [f"`~`: estimated from the {signal} signal (adaptive scan), not measured; every cell that "
+                        "could decide the plan at this budget was measured.", ""]
     for g in recipe["groups"]:
         row = " | ".join(("~" if cells[g["name"]][f].get("method") == "estimate" else "")
                          + f"{cells[g['name']][f]['damage']:.5f}" for f in formats)

@@ -83,8 +83,9 @@ def scan_groups(source: ModelSource, group_by: str) -> list[Group]:
 
 METHODS = {"exact": "exact", "fast": "fast (diagonal Fisher of sampled tokens, 1/2 dw^T F dw)",
            "weight": "weight (imatrix-weighted squared weight error; no forward pass per cell)",
-           "adaptive": "adaptive (weight signal scaled to KL per group; measured where the plan at the budgets "
+           "adaptive": "adaptive (a cheap signal scaled to KL per group; measured where the plan at the budgets "
                        "is decided)"}
+SIGNALS = ("fast", "weight")  # what prices an adaptive scan's unmeasured cells
 
 
 def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Tensor, formats: list[Format],
@@ -296,14 +297,16 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
          memory_cap: int | None = None, rounding: str = "rtn", seq_len: int = 512, batch: int = 4,
          progress: bool = True, method: str = "exact", dtype: str = "auto", gpu_memory: int | None = None,
          log=None, estimate: bool = False, ray: str | None = None, workers: int | None = None,
-         shared_dir: str | Path | None = None, weight_budgets: list[int] | None = None) -> dict:
+         shared_dir: str | Path | None = None, weight_budgets: list[int] | None = None,
+         signal: str | None = None) -> dict:
     """Measure the damage of every group at every format; returns the map (also written to `out`).
 
     With `estimate`, measures nothing and writes nothing: returns {"estimate": ...}, the counts and the
     time the scan would take (estimate.py). With `log`, that estimate is also shown before a scan.
     With `ray` ('local', 'auto' or a cluster's address) the group sweeps run as Ray tasks (cluster.py),
     at most `workers` at a time; the map is the same bytes. `method='adaptive'` measures exactly only the
-    cells that decide the plans at `weight_budgets` (plan's --weight-budget) and estimates the rest."""
+    cells that decide the plans at `weight_budgets` (plan's --weight-budget) and estimates the rest by
+    `signal` ('fast', the streamed Fisher, by default for RTN; 'weight' otherwise)."""
     from transformers import AutoTokenizer
 
     from .paths import guard_output, input_paths, model_paths
@@ -320,6 +323,17 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     if (method == "adaptive") != bool(weight_budgets):
         raise CardfitError("--method adaptive measures the cells that decide the plan at given budgets",
                            "use --method adaptive with --weight-budget SIZE[,SIZE...], or neither")
+    if signal is not None and method != "adaptive":
+        raise CardfitError("--signal chooses what prices an adaptive scan's unmeasured cells",
+                           "add --method adaptive, or drop --signal")
+    if method == "adaptive":
+        if signal is None:
+            signal = "fast" if rounding == "rtn" else "weight"
+        if signal not in SIGNALS:
+            raise CardfitError(f"unknown --signal '{signal}'", "use --signal " + " or ".join(SIGNALS))
+        if signal == "fast" and rounding != "rtn":
+            raise CardfitError("the fast signal prices RTN rounding only", "use --signal weight with --rounding "
+                               + rounding)
     if estimate and method in ("fast", "weight", "adaptive"):
         raise CardfitError("--estimate prices the exact scan", "drop --estimate, or use --method exact")
     if ray is not None and method != "exact":
@@ -373,7 +387,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
             if f.name not in result["groups"][i]["cells"]]
     if method == "adaptive":
         return _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory,
-                               memory_cap, batch, weight_budgets, progress, log)
+                               memory_cap, batch, weight_budgets, signal, progress, log)
     if not todo and result.get("complete"):
         return {"estimate": None} if estimate else result  # a finished map of this very job: nothing to measure
     if method == "fast":
@@ -575,29 +589,15 @@ def _progress(enabled: bool, total: int, done: int):
 
 
 def _fast_cells(source, chunks, groups, todo, fmts, result, out, device, batch) -> dict:
-    """Every cell from one streamed Fisher estimate: ½ Σ F δw² over the group's tensors (no model runs
-    per cell); each group is priced as its tensors' Fisher becomes final, then the Fisher is dropped."""
-    from .fisher import predicted_kl, streamed_fisher
+    """Every cell from one streamed Fisher estimate (fisher.py): ½ Σ F δw² over the group's tensors, no
+    model runs per cell."""
+    from .fisher import fisher_cells
 
-    pending = pending_by_group(todo)
+    def done(index: int, priced: dict) -> None:
+        result["groups"][index]["cells"].update({name: {"damage": damage, "stderr": None, "top1": None}
+                                                 for name, damage in priced.items()})
 
-    def price(fisher: dict[str, torch.Tensor]) -> None:
-        for index in [i for i in pending if all(t.name in fisher for t in groups[i].quantizable)]:
-            formats = pending.pop(index)
-            damage = dict.fromkeys((f.name for f in formats), 0.0)
-            for t in groups[index].quantizable:  # each tensor read once for all of the group's formats
-                weight = source.read(t.name)
-                for fmt in formats:
-                    if fmt.storage(t.name, t.shape) != "F32":
-                        damage[fmt.name] += predicted_kl(fisher[t.name], weight,
-                                                         fmt.roundtrip(t.name, weight, None, "rtn"))
-            for name, value in damage.items():
-                result["groups"][index]["cells"][name] = {"damage": value, "stderr": None, "top1": None}
-
-    streamed_fisher(source, chunks, price, device=device, batch=batch)
-    if pending:  # a group whose tensors the model does not run (none today): say so rather than leave holes
-        raise CardfitError(f"the Fisher pass never reached {', '.join(groups[i].name for i in pending)}",
-                           "scan with --method exact")
+    fisher_cells(source, chunks, groups, todo, device, batch, done)
     for entry in result["groups"]:
         entry["cells"] = in_map_order(entry["cells"], fmts)
     result["separable_fraction"] = None
@@ -635,35 +635,45 @@ def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, dev
 
 
 def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory, memory_cap,
-                    batch, weight_budgets, progress, log) -> dict:
-    """The adaptive scan (adaptive.py): every cell's weight signal, then exact cells where the plans at
-    the budgets are decided, the map written after every group; a resumed run keeps both."""
+                    batch, weight_budgets, signal, progress, log) -> dict:
+    """The adaptive scan (adaptive.py): every cell's cheap signal (fast: the streamed Fisher; weight: the
+    weight signal), then exact cells where the plans at the budgets are decided, the map written after
+    every group; a resumed run keeps both."""
     from .adaptive import adaptive_rounds, check_budgets
     from .engine import Engine
+    from .fisher import fisher_cells
     from .pack import reserve_bytes
     from .weight_signal import weight_cells
 
     budgets = sorted(set(weight_budgets), reverse=True)
-    if result.get("complete") and result.get("adaptive", {}).get("weight_budgets") == budgets:
+    before = result.get("adaptive", {})
+    priced_by = before.get("signal", "weight") if before else signal  # maps before the key: the weight signal
+    if priced_by != signal:
+        raise CardfitError(f"{out} was priced by the {priced_by} signal",
+                           f"resume with --signal {priced_by}, or choose another --out")
+    if result.get("complete") and before.get("weight_budgets") == budgets:
         return result
     reserve = reserve_bytes(source, result["runtime"])
     check_budgets(result, budgets, reserve)
-    result["adaptive"] = {"weight_budgets": budgets}
+    result["adaptive"] = {"signal": signal, "weight_budgets": budgets}
     result["complete"] = False
     unsigned = [(i, g, f) for i, g in enumerate(groups) for f in fmts
                 if "signal" not in result["groups"][i]["cells"].get(f.name, {})]
     if unsigned:
         def signed(index: int, priced: dict) -> None:
             cells = result["groups"][index]["cells"]
-            for name, signal in priced.items():
-                cells[name] = ({**cells[name], "signal": signal} if name in cells else
-                               {"damage": signal, "stderr": None, "top1": None, "method": "estimate", "signal": signal})
+            for name, value in priced.items():
+                cells[name] = ({**cells[name], "signal": value} if name in cells else
+                               {"damage": value, "stderr": None, "top1": None, "method": "estimate", "signal": value})
             result["groups"][index]["cells"] = in_map_order(cells, fmts)
             write_json(out, result)
 
         if log:
-            log(f"pricing {len(unsigned)} cells by their weight signal")
-        weight_cells(source, chunks, groups, unsigned, rounding, device, batch, dtype, gpu_memory, done=signed)
+            log(f"pricing {len(unsigned)} cells by the {signal} signal")
+        if signal == "fast":
+            fisher_cells(source, chunks, groups, unsigned, str(resolve_device(device)[0]), batch, signed)
+        else:
+            weight_cells(source, chunks, groups, unsigned, rounding, device, batch, dtype, gpu_memory, done=signed)
     map_large_blocks()
     engine = Engine(source, device, dtype, gpu_memory, log=log)
     cache = ActivationCache(None if memory_cap is None else memory_cap // 2, spill_dir=out.parent)

@@ -1,0 +1,102 @@
+"""The adaptive scan's two rules: how wrong the scaled signal is, and which estimated cells can decide a plan."""
+
+import math
+
+import numpy as np
+import pytest
+
+from cardfit.adaptive import BAND, deciding_cells, scaled_estimates, signal_error
+from cardfit.plan import Problem
+
+
+def cell(damage: float, signal: float, measured: bool) -> dict:
+    out = {"damage": damage, "stderr": None, "top1": None, "signal": signal}
+    return out if measured else {**out, "method": "estimate"}
+
+
+def test_signal_error_is_the_leave_one_out_log_error_of_the_scaled_estimate():
+    """Group a has two measured cells (each predicted by the other: log ratios 0.2 and -0.2 apart by 0.4);
+    group b one (predicted by the pooled median of a's ratios, 0.0). RMS of (0.4, -0.4, 0.3)."""
+    groups = [{"cells": {"A": cell(math.exp(0.2), 1.0, True), "B": cell(math.exp(-0.2) * 2, 2.0, True),
+                         "C": cell(5.0, 5.0, False)}},
+              {"cells": {"A": cell(math.exp(0.3) * 3, 3.0, True), "B": cell(1.0, 1.0, False)}}]
+    want = math.sqrt((0.4 ** 2 + 0.4 ** 2 + 0.3 ** 2) / 3)
+    assert signal_error(groups, ["A", "B", "C"]) == pytest.approx(want)
+    assert signal_error(groups[1:], ["A", "B", "C"]) is None  # one measured cell predicts nothing
+    # the estimates are scaled by their own group's measured cells, or the pooled median without any
+    estimates = scaled_estimates(groups, ["A", "B", "C"])
+    assert estimates[(0, "C")] == pytest.approx(5.0)  # geometric mean of e^0.2 and e^-0.2
+    assert estimates[(1, "B")] == pytest.approx(math.exp(0.3))
+
+
+def problem(damage) -> Problem:
+    """Three groups, formats big (2 bytes) and small (1 byte)."""
+    damage = np.array(damage, dtype=float)
+    g = damage.shape[0]
+    return Problem([f"g{i}" for i in range(g)], ["big", "small"], damage, np.tile([2, 1], (g, 1)),
+                   np.ones_like(damage, dtype=bool), [])
+
+
+def test_a_cell_is_measured_when_its_optimistic_damage_would_enter_the_plan():
+    """Budget 5 bytes: two groups stay big, one goes small — the one whose small costs least (g2, 0.10).
+    g1's small is estimated at 0.12, within the band of 0.10: it could be the cheaper, so it is measured.
+    g0's small (1.0) is far outside; the big cells cost more bytes and are already chosen or dominated."""
+    p = problem([[0.0, 1.0], [0.0, 0.12], [0.0, 0.10]])
+    estimated = {(g, j) for g in range(3) for j in range(2)} - {(0, 0), (1, 0), (2, 1)}
+    choice = [0, 0, 1]
+    error = 0.1  # exp(2 * 0.1) = 1.22: 0.12 / 1.22 = 0.098 < 0.10
+    assert math.exp(BAND * error) > 0.12 / 0.10
+    assert deciding_cells(p, [5], [choice], estimated, error) == {(1, 1)}
+    # a more accurate signal clears it: 0.12 / exp(2 * 0.05) = 0.109 > 0.10
+    assert deciding_cells(p, [5], [choice], estimated, 0.05) == set()
+    # an estimated chosen cell is always measured; with no error known yet, only the choices are
+    estimated |= {(2, 1)}
+    assert deciding_cells(p, [5], [choice], estimated, None) == {(2, 1)}
+    assert (2, 1) in deciding_cells(p, [5], [choice], estimated, 0.05)
+    # once the choices are measured and still no error is known, every estimated cell is
+    assert deciding_cells(p, [5], [choice], estimated - {(2, 1)}, None) == estimated - {(2, 1)}
+
+
+def test_the_dual_bound_prunes_only_cells_the_plan_would_not_take(monkeypatch):
+    """On random plans, with vLLM-style tied groups too: the cells found with the dual bound's pruning are
+    exactly those found by solving again for every cell, from fewer solves; the bound is a true lower bound."""
+    from dataclasses import replace
+
+    import cardfit.plan
+    from cardfit.adaptive import dual_bound
+    from cardfit.plan import _solve
+
+    solves = []
+    monkeypatch.setattr(cardfit.plan, "_solve", lambda *a, **k: solves.append(1) or _solve(*a, **k))
+    rng = np.random.default_rng(7)
+    bits = np.array([8.5, 6.56, 5.5, 4.5, 3.44, 2.63])
+    solved_for_every_cell = 0
+    for trial in range(12):
+        g = int(rng.integers(4, 9))
+        size = (rng.integers(1, 6, size=(g, 1)) * 1000 * bits[None, :] / 8).astype(np.int64)
+        damage = np.exp(-0.8 * bits[None, :]) * rng.lognormal(0, 1, (g, 1)) * rng.lognormal(0, 0.3, (g, 6))
+        allowed = rng.random((g, 6)) > 0.1
+        allowed[:, -1] = True
+        tied = [[0, 1]] if trial % 3 == 0 else []
+        p = Problem([f"g{i}" for i in range(g)], [f"f{j}" for j in range(6)], damage, size, allowed, tied)
+        budget = int(size[:, -1].sum() + rng.random() * (size[:, 0].sum() - size[:, -1].sum()))
+        choice = _solve(p, budget).choice
+        lam, least = dual_bound(p, budget)
+        assert least.sum() - lam * budget <= sum(damage[i, c] for i, c in enumerate(choice)) + 1e-15
+        estimated = {(i, j) for i in range(g) for j in range(6)} - {(i, c) for i, c in enumerate(choice)}
+        error = 0.3
+        brute = set()
+        for i, j in estimated:
+            lowered = replace(p, damage=damage.copy())
+            lowered.damage[i, j] = damage[i, j] / math.exp(BAND * error)
+            solved = _solve(lowered, budget)
+            if allowed[i, j] and solved is not None and solved.choice[i] == j:
+                brute.add((i, j))
+        found = deciding_cells(p, [budget], [choice], estimated, error)
+        assert found == brute, trial
+        before = len(solves)
+        with monkeypatch.context() as large:  # a plan too large to solve per cell: the bound alone, a superset
+            large.setattr("cardfit.adaptive.SOLVE_CELLS", 0)
+            assert deciding_cells(p, [budget], [choice], estimated, error) >= brute and len(solves) == before
+        solved_for_every_cell += len(estimated)
+    assert len(solves) < solved_for_every_cell / 2
