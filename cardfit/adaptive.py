@@ -28,16 +28,23 @@ from dataclasses import replace
 import numpy as np
 
 
-def scaled_estimates(groups: list[dict], formats: list[str]) -> dict[tuple[int, str], float]:
-    """(group, format) -> the estimated damage of every cell that has a signal but no exact value: its
-    signal times its group's ratio exact/signal (geometric mean over the group's measured cells), or the
-    median ratio of all groups for a group with none measured yet."""
+def measured_ratios(groups: list[dict], formats: list[str]) -> dict[int, list[float]]:
+    """Group index -> log(exact / signal) of each of its cells measured exactly with both values positive
+    (groups with none left out): what scales the signal, and what its error is measured on."""
     ratios: dict[int, list[float]] = {}
     for i, g in enumerate(groups):
         for f in formats:
             cell = g["cells"].get(f)
             if cell and cell.get("method") is None and cell["damage"] > 0 and cell.get("signal", 0) > 0:
                 ratios.setdefault(i, []).append(math.log(cell["damage"] / cell["signal"]))
+    return ratios
+
+
+def scaled_estimates(groups: list[dict], formats: list[str]) -> dict[tuple[int, str], float]:
+    """(group, format) -> the estimated damage of every cell that has a signal but no exact value: its
+    signal times its group's ratio exact/signal (geometric mean over the group's measured cells), or the
+    median ratio of all groups for a group with none measured yet."""
+    ratios = measured_ratios(groups, formats)
     pooled = [r for rs in ratios.values() for r in rs]
     fallback = float(np.median(pooled)) if pooled else 0.0
     out = {}
@@ -58,14 +65,12 @@ def signal_error(groups: list[dict], formats: list[str]) -> float | None:
     """The signal's error once scaled, measured on the map itself: the RMS log error of each exact cell
     predicted from the other exact cells of its group (the pooled median where it is its group's only one)
     — how scaled_estimates would have priced it. None below three such cells."""
-    ratios = {i: [math.log(c["damage"] / c["signal"]) for f in formats
-                  if (c := g["cells"].get(f)) and c.get("method") is None and c["damage"] > 0 and c.get("signal", 0) > 0]
-              for i, g in enumerate(groups)}
+    ratios = measured_ratios(groups, formats)
     residuals = []
     for i, own in ratios.items():
+        pooled = [r for j, rs in ratios.items() if j != i for r in rs]
         for k, ratio in enumerate(own):
             others = own[:k] + own[k + 1:]
-            pooled = [r for j, rs in ratios.items() if j != i for r in rs]
             if others or pooled:
                 residuals.append(ratio - (sum(others) / len(others) if others else float(np.median(pooled))))
     return math.sqrt(sum(r * r for r in residuals) / len(residuals)) if len(residuals) >= 3 else None
@@ -84,8 +89,9 @@ def dual_bound(problem, budget: int) -> tuple[float, np.ndarray]:
         k = cost.argmin(axis=1)
         return cost[rows, k], float(size[rows, k].sum())
 
-    if at(0.0)[1] <= budget:
-        return 0.0, at(0.0)[0]
+    least, fitted = at(0.0)
+    if fitted <= budget:
+        return 0.0, least
     low, high = 0.0, 1.0
     for _ in range(200):  # the least-bytes choice fits (the budget was checked), so some λ gets there
         if at(high)[1] <= budget:
