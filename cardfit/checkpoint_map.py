@@ -121,6 +121,13 @@ def _conversions(model_type: str) -> tuple[list[tuple[re.Pattern, str]], list[tu
     return renamings, converters
 
 
+def merges_per_expert(model_type: str) -> bool:
+    """Whether transformers builds this model type's fused experts from per-expert checkpoint tensors (its
+    conversion mapping merges them): only then does it load experts written one per expert, as a
+    compressed-tensors checkpoint stores them. gpt-oss loads its fused stacks as they are."""
+    return any(target is not None for _, target, _ in _conversions(model_type)[1])
+
+
 _PER_EXPERT = re.compile(r"^(.*)mlp\.experts\.(\d+)\.(\w+)\.(weight|bias)$")
 
 

@@ -69,10 +69,11 @@ class Problem:
             for j, f in enumerate(fmts):
                 if get_format(f).bits < floor_bits:
                     allowed[rows, j] = False
+        experts = _expert_rules(data["groups"], fmts, target, allowed)
         if not allowed.any(axis=1).all():
             raise CardfitError(f"none of the map's formats ({', '.join(fmts)}) is served by {runtime}",
                                "scan formats it serves: " + ", ".join(target.formats))
-        same = _fused_groups(names, target.fused)
+        same = _fused_groups(names, target.fused) + experts
         return cls(names, list(fmts), damage, size, allowed, same, runtime)
 
 
@@ -101,6 +102,30 @@ def _format_index(fmts: list[str], fmt: str) -> int:
     if name not in fmts:
         raise CardfitError(f"format {fmt} is not among the planned formats", "choose from " + ", ".join(fmts))
     return fmts.index(name)
+
+
+def _expert_rules(groups: list[dict], fmts: list[str], target, allowed: np.ndarray) -> list[list[int]]:
+    """The target's rules for routed experts (Target.expert_format, one_expert_format), applied to `allowed`
+    in place; returns the groups holding experts when they must share one format. A format whose rows
+    resolve to different schemes across the expert stacks (W4A16-g128 falling back to g64 on one and g32 on
+    another, as the map's `storage` records) cannot be that one format."""
+    from .groups import expert_stack
+
+    rows = [i for i, g in enumerate(groups) if any(expert_stack(t) for t in g["tensors"])]
+    if not rows:
+        return []
+    for j, f in enumerate(fmts):
+        if target.expert_format is not None and not target.expert_format(f):
+            allowed[rows, j] = False
+        stored = {s for i in rows if all(expert_stack(t) for t in groups[i]["tensors"])
+                  for s in (groups[i].get("storage") or {}).get(f, [])}
+        if target.one_expert_format and len(stored) > 1:
+            allowed[rows, j] = False
+    if not allowed[rows].any(axis=1).all():
+        menu = [f for f in target.formats if target.expert_format is None or target.expert_format(f)]
+        raise CardfitError(f"no format of the map (or of the pins and floors) is one {target.name} can hold "
+                           "every routed expert in", "scan one of " + ", ".join(menu))
+    return [rows] if target.one_expert_format and len(rows) > 1 else []
 
 
 def _fused_groups(names: list[str], fused: tuple[tuple[str, ...], ...]) -> list[list[int]]:

@@ -2,6 +2,7 @@
 packed into llama.cpp's `*_exps` tensors. Tiny random models only: no real MoE weights exist offline."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -176,9 +177,8 @@ def test_fit_squeezes_experts_attention_and_shared_expert_apart(tiny_model, tmp_
     assert 0 < verdict["kld_mean"] < 0.5, json.dumps(verdict, default=str)[:400]
 
 
-def test_every_signal_reaches_experts_and_compressed_tensors_is_refused(tiny_model, tmp_path, run_cli, calib_text):
-    """The fast (Fisher) and weight signals price every expert stack; compressed-tensors expert stacks are
-    not built yet: one line, exit 2, no file (fit says so before its scan)."""
+def test_every_signal_reaches_experts(tiny_model, tmp_path, run_cli, calib_text):
+    """The fast (Fisher) and weight signals price every expert stack."""
     model_dir = tiny_model("qwen3-moe-sharp")
     for method in ("fast", "weight"):
         code, _, err = run_cli("scan", model_dir, "--calibration", calib_text, "--max-tokens", "256", "--seq-len",
@@ -188,13 +188,132 @@ def test_every_signal_reaches_experts_and_compressed_tensors_is_refused(tiny_mod
         cells = {g["name"]: g["cells"] for g in json.loads((tmp_path / f"{method}.json").read_text())["groups"]}
         stack = cells["model.layers.0.mlp.experts.down_proj.weight"]
         assert stack["Q4_0"]["damage"] > stack["Q8_0"]["damage"] > 0, (method, stack)
+
+
+def _experts_apart(source, dense_format: str, experts_format: str) -> dict:
+    """A recipe with every layer in `dense_format` and each expert stack in `experts_format` (as a plan from
+    a per-tensor map names them), its bytes the sum of what each tensor stores."""
+    from cardfit.formats import get_format
     from cardfit.plan import uniform_recipe
 
-    (tmp_path / "vllm.json").write_text(json.dumps(uniform_recipe(open_model(model_dir), "W4A16-g128")))
-    code, _, err = run_cli("pack", tmp_path / "vllm.json", "--model", model_dir, "--out", tmp_path / "ct")
-    assert code == 2 and "compressed-tensors" in err and not (tmp_path / "ct").exists()
-    code, _, err = run_cli("fit", model_dir, "--vram", "1GiB", "--format", "compressed-tensors", "--out", tmp_path / "run")
-    assert code == 2 and "compressed-tensors" in err and not (tmp_path / "run").exists()  # before the scan
+    recipe = uniform_recipe(source, dense_format)
+    dense, experts = get_format(dense_format), get_format(experts_format)
+    stacks: dict[str, int] = {}
+    by_group = {g["name"]: g for g in recipe["groups"]}
+    for t in source.tensors():
+        if expert_stack(t.name) and len(t.shape) == 2:
+            by_group[t.group]["bytes"] -= dense.tensor_bytes(t.name, t.shape)
+            stack = expert_stack(t.name)[0]
+            stacks[stack] = stacks.get(stack, 0) + experts.tensor_bytes(t.name, t.shape)
+    recipe["groups"] += [{"name": n, "format": experts.name, "damage": None, "bytes": b} for n, b in stacks.items()]
+    recipe["bytes"] = sum(g["bytes"] for g in recipe["groups"])
+    recipe["budget"]["weight_budget_bytes"] = max(recipe["budget"]["weight_budget_bytes"], recipe["bytes"] * 2)
+    recipe["margin_bytes"] = recipe["budget"]["weight_budget_bytes"] - recipe["bytes"]
+    return recipe
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe-sharp", "qwen2-moe-sharp", "mixtral-sharp", "deepseek-v2-sharp",
+                                  "qwen3-moe-unnormalised"])  # what llama.cpp refuses, sending it here
+def test_compressed_tensors_experts_run_back_in_transformers(tiny_model, tmp_path, kind):
+    """Experts packed one per expert (as llmcompressor writes them) under one `re:` target, attention in
+    another scheme, routers and the shared expert's gate ignored: transformers stacks and decompresses them
+    into its fused experts, and its logits are the model's with every matrix replaced by what was stored."""
+    from cardfit.pack import pack
+    from cardfit.formats import is_packed_matrix
+    from cardfit.pack.compressed import EXPERTS_TARGET
+    from test_pack_gguf import relative_error
+
+    model_dir = tiny_model(kind)
+    source = open_model(model_dir)
+    recipe = _experts_apart(source, "W8A16", "W4A16-g32")
+    out = tmp_path / "ct"
+    pack(recipe, model_dir, out, progress=False, smoke=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    schemes = {g["weights"]["num_bits"]: g["targets"] for g in config["config_groups"].values()}
+    assert schemes[4] == [EXPERTS_TARGET] and all(".experts." not in t for t in schemes[8]), schemes
+    routers = {t.name.removesuffix(".weight") for t in source.tensors() if t.name.endswith(("mlp.gate.weight",
+               "block_sparse_moe.gate.weight", "shared_expert_gate.weight"))}
+    assert routers and routers <= set(config["ignore"]), (routers, config["ignore"])
+    from cardfit.recipes import tensor_formats
+
+    formats = tensor_formats(recipe, source)
+    stored = {t.name: formats[t.name].roundtrip(t.name, source.read(t.name)) for t in source.tensors()
+              if is_packed_matrix(t.name, t.shape)}
+    model = _hf(out)
+    params = dict(model.named_parameters())
+    for name, weight in stored.items():  # each expert's slice of the fused stack, rebuilt in float16
+        if expert_stack(name):
+            prefix, expert, projection = re.match(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$", name).groups()
+            prefix = prefix.replace(".block_sparse_moe.", ".mlp.")  # transformers 5 renames Mixtral's
+            if projection in ("down_proj", "w2"):
+                got = params[f"{prefix}.down_proj"][int(expert)]
+            else:
+                fused = params[f"{prefix}.gate_up_proj"][int(expert)]
+                half = fused.shape[0] // 2
+                got = fused[:half] if projection in ("gate_proj", "w1") else fused[half:]
+            assert torch.equal(got.float(), weight.half().float()), name
+    ids = _ids()
+    engine = Engine(source, "cpu", "float32")
+    expected, plain = engine.forward(ids, stored), engine.forward(ids)
+    with torch.no_grad():
+        loaded = model(ids).logits
+    # transformers runs those float16 experts in float16 (7.6e-4 relative on the Qwen3-MoE model)
+    off, rounding = relative_error(loaded, expected), relative_error(expected, plain)
+    assert off < 3e-3 and off < rounding / 10, (off, rounding)
+
+
+def test_a_vllm_plan_gives_every_expert_one_symmetric_packed_format(tiny_model, tmp_path, calib_text):
+    """transformers decompresses every expert with one symmetric scheme: the plan ties all expert stacks to
+    one format and keeps them off 16-bit and zero-point formats, while attention and the shared expert are
+    still planned apart; the packed artifact is checked in transformers (planned without zero-point formats:
+    transformers 5.24 loads no packed zero point, for any layer, llm-compressor#1618)."""
+    from cardfit.check import check
+    from cardfit.formats import get_format
+    from cardfit.pack import pack, reserve_bytes
+    from cardfit.plan import plan
+    from cardfit.scan import scan
+
+    model_dir = tiny_model("qwen2-moe-sharp")
+    menu = "BF16-dense,W8A16,W4A16-g128,W4A16-g128-asym"
+    sensitivity = scan(model_dir, calib_text, 256, menu, out=tmp_path / "map.json", seq_len=64, progress=False,
+                       device="cpu", group_by="tensor")
+    reserve = reserve_bytes(open_model(model_dir), "vllm")
+    sizes = {f: sum(g["bytes"][f] for g in sensitivity["groups"]) for f in ("W8A16", "W4A16-g128")}
+    budget = reserve + (sizes["W8A16"] + sizes["W4A16-g128"]) // 2
+    for formats in (None, ["BF16-dense", "W8A16", "W4A16-g128"]):  # transformers loads no zero point (below)
+        recipe = plan(sensitivity, budget, formats=formats, reserve_bytes=reserve)
+        chosen = {g["name"]: g["format"] for g in recipe["groups"]}
+        experts = {f for n, f in chosen.items() if ".experts." in n}
+        assert len(experts) == 1 and get_format(experts.pop()).name in ("W8A16", "W4A16-g128"), chosen
+        assert len({f for n, f in chosen.items() if ".experts." not in n and ".layers." in n}) >= 2, chosen
+    out = tmp_path / "ct"
+    pack(recipe, model_dir, out, progress=False, smoke=False)
+    verdict = check(out, model_dir, calib_text, max_tokens=256, seq_len=64)
+    assert verdict["runtime"].startswith("transformers") and 0 < verdict["kld_mean"] < 0.5, verdict
+
+
+def test_compressed_tensors_experts_it_cannot_hold_are_refused(tiny_model, tmp_path, run_cli):
+    """gpt-oss (transformers loads only its fused stacks), experts left 16-bit or with zero points, experts in
+    two formats: one line each, exit 2, nothing written (fit refuses gpt-oss before its scan)."""
+    source_dir = tiny_model("qwen3-moe-sharp")
+    source = open_model(source_dir)
+    cases = {"16-bit": _experts_apart(source, "W4A16-g32", "BF16-dense"),
+             "asymmetric": _experts_apart(source, "W8A16", "W4A16-g128-asym"),
+             "two formats": _experts_apart(source, "W8A16", "W4A16-g32")}
+    cases["two formats"]["groups"][-1]["format"] = "W8A16"
+    says = {"16-bit": "loads experts only in", "asymmetric": "loads experts only in", "two formats": "2 formats"}
+    for case, recipe in cases.items():
+        (tmp_path / "r.json").write_text(json.dumps(recipe))
+        code, _, err = run_cli("pack", tmp_path / "r.json", "--model", source_dir, "--out", tmp_path / "ct")
+        assert code == 2 and says[case] in err and not (tmp_path / "ct").exists(), (case, err)
+    gpt = tiny_model("gpt-oss-sharp")
+    from cardfit.plan import uniform_recipe
+
+    (tmp_path / "g.json").write_text(json.dumps(uniform_recipe(open_model(gpt), "W4A16-g32")))
+    code, _, err = run_cli("pack", tmp_path / "g.json", "--model", gpt, "--out", tmp_path / "ct")
+    assert code == 2 and "fused stacks" in err and not (tmp_path / "ct").exists(), err
+    code, _, err = run_cli("fit", gpt, "--vram", "24GiB", "--format", "compressed-tensors", "--out", tmp_path / "run")
+    assert code == 2 and "fused stacks" in err and not (tmp_path / "run").exists()  # before the scan
 
 
 def _never_route(model, expert: int):
@@ -320,7 +439,6 @@ def test_imatrix_per_expert_in_llama_cpps_layout_packs_and_runs(tiny_model, tmp_
     from cardfit.formats import get_format
     from cardfit.formats import ggml_lib
     from cardfit.imatrix import ImatrixFile, collect_imatrix
-    from cardfit.pack import pack
     from cardfit.plan import uniform_recipe
 
     from test_pack_gguf import IDS, hf_logits, llama_cpp_logits, relative_error
@@ -404,9 +522,10 @@ def test_gpt_oss_as_llama_cpp_runs_it(tiny_model, tmp_path, run_cli):
             (other / file.name).symlink_to(file)
         (other / "config.json").unlink()
         (other / "config.json").write_text(json.dumps({**config, **change}))
-        with pytest.raises(CardfitError, match=says):
+        with pytest.raises(CardfitError, match=says) as refused:
             pack(uniform_recipe(open_model(other), "F16"), other, tmp_path / "no.gguf", progress=False, smoke=False)
         assert not (tmp_path / "no.gguf").exists()
+        assert "fused stacks" in str(refused.value)  # not sent on to compressed-tensors, which refuses it too
     from safetensors.torch import save_file
 
     (tmp_path / "SwiGLU" / "config.json").unlink()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..errors import CardfitError
 from .base import Calibration, Format
 from .gguf_formats import GGML_BLOCKS, GGUF_TYPES, GgmlFormat
-from .int_formats import DenseFormat, IntGroupFormat, is_decoder_linear
+from .int_formats import DenseFormat, IntGroupFormat, is_decoder_linear, is_packed_matrix
 from .reference_formats import Int8RowFormat, Nf4Format
 
 
@@ -48,7 +48,8 @@ def parse_formats(text: str | list[str]) -> list[Format]:
 
 
 __all__ = ["FORMATS", "runtime_formats", "GGUF_TYPES", "GGML_BLOCKS", "Calibration", "Format", "GgmlFormat", "IntGroupFormat",
-           "DenseFormat", "Nf4Format", "Int8RowFormat", "get_format", "parse_formats", "is_decoder_linear"]
+           "DenseFormat", "Nf4Format", "Int8RowFormat", "get_format", "parse_formats", "is_decoder_linear",
+           "is_packed_matrix"]
 
 def runtime_formats(runtime: str) -> list[Format]:
     """The formats a runtime serves (its target's menu, cardfit.targets)."""

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ..groups import expert_stack
 from .base import Format, numel
 
 QUANTIZABLE_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
@@ -38,6 +39,13 @@ def is_decoder_linear(name: str, shape: tuple[int, ...]) -> bool:
     if name.startswith("blk."):
         return name.endswith(GGUF_QUANTIZABLE_SUFFIXES)
     return ".layers." in f".{name}" and name.endswith(QUANTIZABLE_SUFFIXES)
+
+
+def is_packed_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """What a compressed-tensors checkpoint stores packed: decoder Linears, and each routed expert's matrix
+    (stored one per expert, as llmcompressor writes them: vLLM's fused MoE and transformers' fused experts
+    stack them at load). bitsandbytes quantizes Linear modules only, so it keeps `is_decoder_linear`."""
+    return is_decoder_linear(name, shape) or (len(shape) == 2 and expert_stack(name) is not None)
 
 
 class DenseFormat(Format):
@@ -89,10 +97,10 @@ class IntGroupFormat(Format):
         return 1 if self.group_size == -1 else math.ceil(in_features / self.group_size)
 
     def storage(self, name, shape):
-        return self.resolve(shape).name if is_decoder_linear(name, shape) else "BF16"
+        return self.resolve(shape).name if is_packed_matrix(name, shape) else "BF16"
 
     def tensor_bytes(self, name, shape):
-        if not is_decoder_linear(name, shape):
+        if not is_packed_matrix(name, shape):
             return numel(shape) * 2
         return self.resolve(shape)._packed_bytes(shape)
 
@@ -158,7 +166,7 @@ class IntGroupFormat(Format):
         return (q.to(torch.float32) - zero[:, group]) * scale[:, group]
 
     def roundtrip(self, name, weight, calibration=None, method="rtn"):
-        if not is_decoder_linear(name, tuple(weight.shape)):
+        if not is_packed_matrix(name, tuple(weight.shape)):
             return DenseFormat().roundtrip(name, weight)
         from ..quant import quantize_int
 

@@ -71,6 +71,7 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
     check_model(data, source)
     refuse_unpackable(source, fmt)
     formats = tensor_formats(data, source)
+    target.refuse_expert_formats(formats)
     budget = int(data["budget"]["weight_budget_bytes"])
     if imatrix is not None:
         from ..imatrix import ImatrixFile
@@ -117,11 +118,14 @@ def refuse_unpackable(source, artifact: str, layout: bool = False) -> None:
     """What cardfit cannot write yet, refused before any work (fit calls it before its scan); with `layout`,
     (a runnable source) also an architecture or config llama.cpp's GGUF cannot hold or would compute
     differently (gguf_arch.ArchSpec's refusals)."""
+    from ..checkpoint_map import merges_per_expert
     from ..groups import expert_stack
 
-    if artifact != "gguf" and any(expert_stack(t.name) for t in source.tensors()):
-        raise CardfitError("cardfit does not pack routed experts as compressed-tensors yet (such an artifact "
-                           "does not run back in transformers)", "plan for llama.cpp and pack as --format gguf")
+    model_type = str(source.config.get("model_type", ""))
+    if artifact != "gguf" and any(expert_stack(t.name) for t in source.tensors()) and not merges_per_expert(model_type):
+        raise CardfitError(f"transformers loads {model_type}'s experts only as its fused stacks, and a "
+                           "compressed-tensors checkpoint stores them one per expert",
+                           "plan for llama.cpp and pack as --format gguf")
     if artifact == "gguf" and layout:
         from .gguf_arch import ArchSpec
 

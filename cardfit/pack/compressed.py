@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CardfitError
-from ..formats import DenseFormat, IntGroupFormat, is_decoder_linear
-from ..groups import GroupId
-from ..sources import ModelSource, group_sort_key
+from ..formats import DenseFormat, IntGroupFormat, is_packed_matrix
+from ..groups import GroupId, expert_stack
+from ..sources import ModelSource, group_of, group_sort_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
@@ -38,39 +38,54 @@ def _scheme(fmt: IntGroupFormat, targets: list[str]):
 
 
 def quantization_config(source: ModelSource, formats: dict) -> dict:
-    """config.json's quantization_config for this per-tensor assignment."""
+    """config.json's quantization_config for this per-tensor assignment.
+
+    Routed experts are one `re:` target (EXPERTS_TARGET) in their format's group: transformers finds the
+    experts' scheme as the group whose regex names experts (and decompresses every expert with it), vLLM
+    matches each layer's `experts.0.<proj>` against it; listing 128 experts x 3 projections x 48 layers by
+    name would serve the same and log a warning per name. Every other matrix of a decoder layer that is
+    not packed (routers, a shared expert's gate, MLA's low-rank projections) is named in `ignore`, so a
+    runtime matching `Linear` never expects packed weights it does not find."""
     from compressed_tensors.quantization import QuantizationConfig
 
     by_format: dict[str, tuple[IntGroupFormat, list[str]]] = {}
-    linears, ignore = [], []
+    ignore, experts = [], set()
     for t in source.tensors():
         if not t.name.endswith(".weight") or len(t.shape) != 2:
             continue
         module = t.name[: -len(".weight")]
         fmt = formats.get(t.name)
-        if is_decoder_linear(t.name, t.shape):
-            linears.append(module)
-            if isinstance(fmt, IntGroupFormat):
-                resolved = fmt.resolve(t.shape)
-                by_format.setdefault(resolved.name, (resolved, []))[1].append(module)
+        if is_packed_matrix(t.name, t.shape) and isinstance(fmt, IntGroupFormat):
+            resolved = fmt.resolve(t.shape)
+            if expert_stack(t.name):
+                experts.add(resolved.name)
+                by_format.setdefault(resolved.name, (resolved, []))
             else:
-                ignore.append(module)
+                by_format.setdefault(resolved.name, (resolved, []))[1].append(module)
+        elif group_of(t.name).in_layer:
+            ignore.append(module)
+    if len(experts) > 1:  # the plan ties them (Target.one_expert_format); a hand-made recipe may not
+        raise CardfitError(f"the routed experts are in {len(experts)} formats ({', '.join(sorted(experts))}); "
+                           "transformers decompresses every expert with one scheme",
+                           "give every experts stack one format (cardfit plan does)")
     ignore.append("lm_head")  # every causal LM has the module, tied or not; it stays 16-bit
     if len(by_format) == 1 and not [m for m in ignore if m != "lm_head"]:
         (fmt, _), = by_format.values()
         groups = {"group_0": _scheme(fmt, ["Linear"])}
         ignore = ["lm_head"]
     else:
-        groups = {f"group_{i}": _scheme(fmt, sorted(mods, key=_module_key))
-                  for i, (fmt, mods) in enumerate(by_format.values())}
+        groups = {f"group_{i}": _scheme(fmt, sorted(mods, key=_module_key) + ([EXPERTS_TARGET] if name in experts else []))
+                  for i, (name, (fmt, mods)) in enumerate(by_format.items())}
     config = QuantizationConfig(config_groups=groups, format="pack-quantized", quantization_status="compressed",
                                 ignore=sorted(set(ignore), key=_module_key))
     return config.model_dump(exclude_none=False)
 
 
-def _module_key(name: str):
-    from ..sources import group_of
+# Every routed expert's matrix (`model.layers.3.mlp.experts.17.down_proj`, Mixtral's `...experts.5.w2`)
+EXPERTS_TARGET = r"re:.*\.experts\.\d+\.[^.]+$"
 
+
+def _module_key(name: str):
     return (group_sort_key(group_of(name + ".weight")), name)
 
 
@@ -87,7 +102,7 @@ def compress_tensor(name: str, weight: torch.Tensor, fmt, calibration, method: s
     from ..quant import quantize_int
 
     shape = tuple(weight.shape)
-    if not (isinstance(fmt, IntGroupFormat) and is_decoder_linear(name, shape)):
+    if not (isinstance(fmt, IntGroupFormat) and is_packed_matrix(name, shape)):
         stored = weight.to(dense_dtype)
         return {name: stored}, stored.to(torch.float32)
     resolved = fmt.resolve(shape)
@@ -116,6 +131,8 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
 
         raise CardfitError(f"the checkpoint would hold {format_bytes(predicted)} of weights, over the "
                            f"{format_bytes(budget)} weight budget", "re-plan for this budget")
+    config = dict(source.config)
+    config["quantization_config"] = quantization_config(source, formats)  # its refusals before any work
     groups = [g for g in source.groups().items() if any(t.name in formats for t in g[1])]
     engine = getattr(calibration, "engine", None)
     quantizers = engine.quantizers if engine is not None else contextlib.nullcontext
@@ -157,8 +174,6 @@ def write_compressed(out_dir: Path, source: ModelSource, formats: dict, budget: 
         raise RuntimeError(f"stored {total} bytes of tensors, formats predicted {predicted}")
     (out_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    config = dict(source.config)
-    config["quantization_config"] = quantization_config(source, formats)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (source.path / name).exists():

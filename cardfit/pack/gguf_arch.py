@@ -134,7 +134,7 @@ class ArchSpec:
             unmodelled = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if self.rope_scaling.get(k)]
             if unmodelled:
                 raise CardfitError(f"YaRN with {', '.join(unmodelled)} is not packed to GGUF by cardfit",
-                                   "pack it as --format compressed-tensors")
+                                   self.elsewhere)
         if self.arch == "gpt-oss":
             self.refuse_gpt_oss_llama_cpp_computes_differently()
         if self.longrope:
@@ -151,14 +151,14 @@ class ArchSpec:
             expected = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
             if isinstance(types, list) and types != expected:
                 raise CardfitError("llama.cpp runs Gemma 3 with five sliding layers to one global; this "
-                                   "config's layer_types differ", "pack it as --format compressed-tensors")
+                                   "config's layer_types differ", self.elsewhere)
             scalar = cfg.get("query_pre_attn_scalar")
             if scalar is not None and int(scalar) != self.head_dim and layers != 62:
                 raise CardfitError(f"llama.cpp scales Gemma 3 attention by head_dim ({self.head_dim}), this config "
-                                   f"by query_pre_attn_scalar={scalar}", "pack it as --format compressed-tensors")
+                                   f"by query_pre_attn_scalar={scalar}", self.elsewhere)
             if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
                 raise CardfitError("Gemma 3 with logit soft-capping is not packed to GGUF by cardfit",
-                                   "pack it as --format compressed-tensors")
+                                   self.elsewhere)
 
     def warnings(self) -> list[str]:
         """What llama.cpp computes differently and every GGUF of such a model shares (so it is said, not
@@ -169,6 +169,19 @@ class ArchSpec:
                     "this model shares it; on a tiny test model ~1% of the logits); check measures what it costs"]
         return []
 
+    @property
+    def elsewhere(self) -> str:
+        """Where a config llama.cpp cannot hold goes: compressed-tensors, unless transformers could not load its
+        experts from one (gpt-oss: only its fused stacks, pack.refuse_unpackable)."""
+        from ..checkpoint_map import merges_per_expert
+
+        model_type = str(self.config.get("model_type", ""))
+        if self.config.get("num_local_experts") or self.config.get("num_experts"):
+            if not merges_per_expert(model_type):
+                return (f"no file cardfit writes holds this config (transformers loads {model_type}'s experts only "
+                        "as fused stacks, and compressed-tensors stores them one per expert)")
+        return "pack it as --format compressed-tensors"
+
     def refuse_gpt_oss_llama_cpp_computes_differently(self) -> None:
         """llama.cpp's gpt-oss: alpha and limit of its SwiGLU are constants, and even layers slide."""
         cfg = self.config
@@ -176,12 +189,12 @@ class ArchSpec:
         if swiglu != SWIGLU_OAI:
             raise CardfitError(f"llama.cpp's gpt-oss computes SwiGLU with alpha {SWIGLU_OAI[0]} and limit "
                                f"{SWIGLU_OAI[1]}; this config has {swiglu[0]} and {swiglu[1]}",
-                               "pack it as --format compressed-tensors")
+                               self.elsewhere)
         layers = int(cfg["num_hidden_layers"])
         expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         if cfg.get("layer_types") not in (None, expected) or not cfg.get("sliding_window"):
             raise CardfitError("llama.cpp runs gpt-oss with a sliding window on every even layer and full "
-                               "attention on every odd one; this config differs", "pack it as --format compressed-tensors")
+                               "attention on every odd one; this config differs", self.elsewhere)
 
     def refuse_moe_llama_cpp_computes_differently(self) -> None:
         cfg = self.config
@@ -189,10 +202,10 @@ class ArchSpec:
         if bool(normalised) != EXPERT_WEIGHTS_NORMALISED[self.arch]:
             does = "renormalises" if EXPERT_WEIGHTS_NORMALISED[self.arch] else "does not renormalise"
             raise CardfitError(f"llama.cpp's {self.arch} {does} the chosen experts' weights; this config's "
-                               f"norm_topk_prob is {normalised}", "pack it as --format compressed-tensors")
+                               f"norm_topk_prob is {normalised}", self.elsewhere)
         if int(cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
             raise CardfitError("this MoE config mixes dense and expert layers, which llama.cpp's "
-                               f"{self.arch} does not", "pack it as --format compressed-tensors")
+                               f"{self.arch} does not", self.elsewhere)
 
     def metadata(self, writer) -> None:
         """Architecture keys, exactly the ones llama.cpp's loader reads for this family."""
@@ -291,7 +304,7 @@ class ArchSpec:
         name = mapping.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise CardfitError(f"llama.cpp has no tensor for '{hf_name}' in architecture {self.arch}",
-                               "pack it as --format compressed-tensors")
+                               self.elsewhere)
         return name
 
     def transform(self, hf_name: str, weight: torch.Tensor) -> torch.Tensor:

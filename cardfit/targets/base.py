@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..errors import CardfitError
+
 MiB = 2**20
 
 
@@ -42,6 +44,10 @@ class Target:
     kv_dtypes: tuple[str, ...] = ("f16",)
     state_element_bytes: int = 2  # bytes per element of an SSM's recurrent state
     fused: tuple[tuple[str, ...], ...] = ()  # projections it runs as one kernel: they share one format
+    # Routed experts in the file it loads: which formats one may take (None: any it serves), and whether every
+    # expert stack of the model must share one (the planner's constraints, pack's refusals)
+    expert_format: Callable[[str], bool] | None = None
+    one_expert_format: bool = False
     default_scan_formats: str = ""  # fit's exact scan menu (plus the source's own quantized types)
     whole_menu: str = ""  # every type worth pricing: compare's map and fit --scan-method adaptive
     low_bit_scan_formats: str = ""  # added to fit's scan when the budget is below what the default menu reaches
@@ -50,3 +56,18 @@ class Target:
     load: Callable | None = None  # (path, n_ctx, device) -> a runtime with logits(ids) and close()
     beside: Callable[[Path, dict], dict[str, str]] | None = None  # files written next to the artifact
     reads_by_default: str | None = None  # the kind of file `check` runs in it unless told otherwise
+
+    def refuse_expert_formats(self, formats: dict) -> None:
+        """A recipe (hand-made, or planned before these rules) giving routed experts a format, or several,
+        that this target's file cannot hold: one line before anything is written."""
+        from ..groups import expert_stack
+
+        given = {f.name for name, f in formats.items() if expert_stack(name)}
+        wrong = sorted(f for f in given if self.expert_format is not None and not self.expert_format(f))
+        if wrong:
+            raise CardfitError(f"routed experts in {', '.join(wrong)}: {self.name} loads experts only in "
+                               f"{', '.join(f for f in self.formats if self.expert_format(f))}",
+                               "re-plan the recipe (cardfit plan keeps experts to these)")
+        if self.one_expert_format and len(given) > 1:
+            raise CardfitError(f"the routed experts are in {len(given)} formats ({', '.join(sorted(given))}); "
+                               f"{self.name}'s file holds one for every expert", "re-plan the recipe (cardfit plan ties them)")

@@ -31,6 +31,18 @@ def vllm_overhead(geometry, vram: int, context: int, settings) -> dict[str, int]
     }
 
 
+def packed_symmetric(name: str) -> bool:
+    """A format a routed expert may take in a compressed-tensors checkpoint. transformers (5.24) rebuilds
+    each expert from weight_packed, weight_scale and weight_shape alone, with the one scheme of the config
+    group whose `re:` target names experts: a zero point fails its load ("Asymmetric quant requires
+    zero-point values"), and a 16-bit expert beside packed layers fails its merge of the experts, so
+    experts are packed, symmetric, and all in one scheme (vLLM would take one scheme per layer)."""
+    from ..formats import IntGroupFormat, get_format
+
+    fmt = get_format(name)
+    return isinstance(fmt, IntGroupFormat) and fmt.symmetric
+
+
 def load_vllm(path: Path, n_ctx: int = 512, device: str = "cpu"):
     from ..runtimes import VllmRuntime
 
@@ -43,6 +55,7 @@ def load_vllm(path: Path, n_ctx: int = 512, device: str = "cpu"):
 _COMMON = dict(family="vllm", artifact="compressed-tensors", pack_methods=("rtn", "gptq", "awq"),
                kv_dtypes=("f16", "bf16", "fp8"), state_element_bytes=2,
                fused=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+               expert_format=packed_symmetric, one_expert_format=True,
                default_scan_formats="BF16-dense,W8A16,W4A16-g128", artifact_name="model-compressed-tensors",
                overhead_terms=vllm_overhead, load=load_vllm)
 
