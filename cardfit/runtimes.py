@@ -65,6 +65,22 @@ class GgufRuntime(Runtime):
         self.llm.close()
 
 
+def _refuse_zero_points(path: Path) -> None:
+    """transformers (5.24, compressed-tensors 0.20) builds every packed layer's zero point unpacked and refuses
+    the packed one a pack-quantized checkpoint stores (llm-compressor#1618): say so, not "cannot load"."""
+    import json
+
+    try:
+        groups = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]
+        asymmetric = sorted(name for name, g in groups.items() if (g.get("weights") or {}).get("symmetric") is False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # not a compressed-tensors checkpoint, or not one this can read: from_pretrained says what it is
+    if asymmetric:
+        raise CardfitError(f"{path} has asymmetric (zero-point) layers ({', '.join(asymmetric)}), which transformers "
+                           "cannot load from a pack-quantized checkpoint (llm-compressor#1618)",
+                           "check it in vLLM (--runtime vllm), or plan without the -asym formats")
+
+
 class TransformersRuntime(Runtime):
     name = "transformers"
 
@@ -72,6 +88,7 @@ class TransformersRuntime(Runtime):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.path = Path(path)
+        _refuse_zero_points(self.path)
         try:
             self.model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=torch.float32,
                                                               use_safetensors=True).to(device)

@@ -92,6 +92,20 @@ def test_mixed_recipe_names_each_module_and_ignores_dense_ones(tiny_model, tmp_p
     assert torch.equal(weights[kept], source.read(kept))  # a dense group is stored untouched
 
 
+def test_asymmetric_artifact_is_refused_by_name_in_transformers(tiny_model, tmp_path, run_cli, calib_text):
+    """transformers cannot load a packed zero point (llm-compressor#1618): check says that, and where to
+    check it instead, rather than "cannot load"; the artifact itself is left as it was."""
+    model_dir = tiny_model("llama-wide")
+    out = tmp_path / "asym"
+    pack(uniform_recipe(open_model(model_dir), "W4A16-g128-asym"), model_dir, out, progress=False, smoke=False)
+    before = sorted((p.name, p.stat().st_size) for p in out.iterdir())
+    code, _, err = run_cli("check", out, "--reference", model_dir, "--text", calib_text, "--max-tokens", "128",
+                           "--seq-len", "64")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "llm-compressor#1618" in errors[0] and "--runtime vllm" in errors[0], err
+    assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before
+
+
 def test_embedded_model_packs_and_generates(default_model_dir, tmp_path):
     """The real model, W4A16 (groups fall back to 64 on its 576-wide rows): loads, generates, and is close."""
     from cardfit.check import check
