@@ -59,6 +59,41 @@ def test_the_fold_is_exact_before_rounding(tiny_model, kind, monkeypatch):
     torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["qwen2-moe-sharp", "mixtral-sharp"])
+def test_the_fold_reaches_every_experts_down_and_is_exact(tiny_model, kind, monkeypatch):
+    """In an MoE layer each routed expert's down (Mixtral's w2) and the shared expert's down take their own
+    scale, folded into their own up (w3) rows; with no rounding the model computes what it did."""
+    from cardfit.engine import Engine
+    from cardfit.formats import Calibration, get_format
+    from cardfit.groups import expert_stack
+    from cardfit.pack import awq_fold
+
+    source = open_model(tiny_model(kind))
+    gen = torch.Generator().manual_seed(0)
+    scaled = []
+
+    def random_scale(weights, inputs, rounder):
+        scaled.append(weights[0])
+        return torch.rand(weights[0].shape[1], generator=gen) * 3 + 0.25
+
+    monkeypatch.setattr(awq_fold, "awq_search", random_scale)
+    fmt, overrides, downs = get_format("W4A16-g32"), {}, 0
+    for index in range(source.geometry.num_layers):
+        tensors = source.groups()[f"layers.{index}"]
+        weights = {t.name: source.read(t.name) for t in tensors}
+        prefix = tensors[0].name.split(f"layers.{index}.")[0] + f"layers.{index}."
+        calibration = {n: Calibration(inputs=torch.zeros(1, w.shape[-1])) for n, w in weights.items() if w.dim() == 2}
+        overrides.update(awq_fold.fold_layer(prefix, weights, calibration, {n: fmt for n in weights}, source.config,
+                                             rounder=lambda name, f, m: m))
+        downs += sum(1 for n in weights if n.endswith(("down_proj.weight", ".w2.weight")))
+    # every down (no expert skipped), and q/k/v in each layer; the norm feeding router and experts is not scaled
+    assert len(scaled) == downs + source.geometry.num_layers, (len(scaled), downs)
+    assert any(not torch.equal(overrides[n], source.read(n)) for n in overrides if expert_stack(n))
+    engine = Engine(source, "cpu", "float32")
+    ids = torch.tensor([[504, 2365, 6354, 16438, 216, 33, 34, 35, 36, 37]])
+    torch.testing.assert_close(engine.forward(ids, overrides), engine.forward(ids), rtol=1e-4, atol=1e-4)
+
+
 def test_awq_packs_the_embedded_model_with_less_loss_than_rtn(default_model_dir, tmp_path):
     from cardfit.check import check
 
