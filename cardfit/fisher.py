@@ -227,6 +227,7 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
     {format: nats})` as each group's Fisher becomes final, its tensors read once for all its formats;
     then the Fisher is dropped. Refuses a group the pass never reached rather than leave holes."""
     from .errors import CardfitError
+    from .formats.ggml_lib import over_items
     from .scan import pending_by_group
 
     pending = pending_by_group(todo)
@@ -237,10 +238,12 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
             damage = dict.fromkeys((f.name for f in formats), 0.0)
             for t in groups[index].quantizable:
                 weight = source.read(t.name)
-                for fmt in formats:
-                    if fmt.storage(t.name, t.shape) != "F32":
-                        damage[fmt.name] += predicted_kl(fisher[t.name], weight,
-                                                         fmt.roundtrip(t.name, weight, None, "rtn"))
+                rounded = [f for f in formats if f.storage(t.name, t.shape) != "F32"]
+                kl = over_items(lambda fmt: predicted_kl(fisher[t.name], weight, fmt.roundtrip(t.name, weight, None,
+                                                                                                "rtn")),
+                                rounded, weight.numel())
+                for fmt, nats in zip(rounded, kl):
+                    damage[fmt.name] += nats
             if done is not None:
                 done(index, damage)
 

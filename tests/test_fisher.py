@@ -69,3 +69,19 @@ def test_streamed_fisher_is_the_whole_model_fisher(tiny_model, tmp_path, kind):
     assert any("norm" in n for n in order[0]) and ("lm_head.weight" in order[0]) == (not source.tied_embeddings)
     assert all(f"layers.{top}." in n for n in order[1])  # then the layers, top down
     assert any("embed_tokens" in n for n in order[-1])
+
+
+def test_formats_priced_on_threads_give_the_sequential_cells(tiny_model, tmp_path, monkeypatch):
+    """A tensor too small for ggml to spread its rows has its formats priced on a thread per core
+    (ggml_lib.over_items); the cells are the same bits as one format after another."""
+    from cardfit.formats import ggml_lib
+    from cardfit.scan import scan
+
+    model_dir = tiny_model("llama")
+    cells = {}
+    for cores in (2, 1):
+        monkeypatch.setattr(ggml_lib, "_cores", lambda cores=cores: cores)
+        result = scan(model_dir, small_text(tmp_path), 128, "Q8_0,Q5_1,Q4_K,Q3_K,Q2_K", out=tmp_path / f"{cores}.json",
+                      seq_len=32, progress=False, device="cpu", method="fast")
+        cells[cores] = {(g["name"], f): c["damage"] for g in result["groups"] for f, c in g["cells"].items()}
+    assert cells[2] == cells[1] and len(cells[1]) > 10 and all(v >= 0 for v in cells[1].values())

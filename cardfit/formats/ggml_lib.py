@@ -57,6 +57,20 @@ def _row_spans(nrows: int, n_per_row: int) -> list[tuple[int, int]]:
     return [(first, min(step, nrows - first)) for first in range(0, nrows, step)] or [(0, 0)]
 
 
+@lru_cache(maxsize=1)
+def _item_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=_cores(), thread_name_prefix="ggml-items")
+
+
+def over_items(work, items: list, values: int) -> list:
+    """`work` over `items` (say, one tensor's formats), in order, on a thread per core when one item's matrix
+    of `values` is too small for ggml to spread its rows (PARALLEL_MIN_VALUES); a pool apart from the rows'
+    one, so an item that does spread its rows never waits on itself."""
+    if values >= PARALLEL_MIN_VALUES or len(items) < 2 or _cores() < 2:
+        return [work(item) for item in items]
+    return list(_item_pool().map(work, items))
+
+
 def _over_rows(work, nrows: int, n_per_row: int) -> list:
     spans = _row_spans(nrows, n_per_row)
     if len(spans) == 1:
