@@ -121,11 +121,15 @@ def _conversions(model_type: str) -> tuple[list[tuple[re.Pattern, str]], list[tu
     return renamings, converters
 
 
-def merges_per_expert(model_type: str) -> bool:
-    """Whether transformers builds this model type's fused experts from per-expert checkpoint tensors (its
-    conversion mapping merges them): only then does it load experts written one per expert, as a
-    compressed-tensors checkpoint stores them. gpt-oss loads its fused stacks as they are."""
-    return any(target is not None for _, target, _ in _conversions(model_type)[1])
+def fused_only(model_type: str) -> str | None:
+    """Why transformers cannot load this model type's experts written one per expert, as a compressed-tensors
+    checkpoint stores them: it builds its fused experts from per-expert tensors only where its conversion
+    mapping merges them (gpt-oss loads its fused stacks as they are). None where it can; callers ask only
+    for a model that has experts."""
+    if any(target is not None for _, target, _ in _conversions(model_type)[1]):
+        return None
+    return (f"transformers loads {model_type}'s experts only as its fused stacks, and a compressed-tensors "
+            "checkpoint stores them one per expert")
 
 
 _PER_EXPERT = re.compile(r"^(.*)mlp\.experts\.(\d+)\.(\w+)\.(weight|bias)$")

@@ -114,12 +114,11 @@ def _expert_rules(groups: list[dict], fmts: list[str], target, allowed: np.ndarr
     rows = [i for i, g in enumerate(groups) if any(expert_stack(t) for t in g["tensors"])]
     if not rows:
         return []
+    stacks = [groups[i].get("storage") or {} for i in rows if all(expert_stack(t) for t in groups[i]["tensors"])]
     for j, f in enumerate(fmts):
         if target.expert_format is not None and not target.expert_format(f):
             allowed[rows, j] = False
-        stored = {s for i in rows if all(expert_stack(t) for t in groups[i]["tensors"])
-                  for s in (groups[i].get("storage") or {}).get(f, [])}
-        if target.one_expert_format and len(stored) > 1:
+        if target.one_expert_format and len({s for storage in stacks for s in storage.get(f, [])}) > 1:
             allowed[rows, j] = False
     if not allowed[rows].any(axis=1).all():
         menu = [f for f in target.formats if target.expert_format is None or target.expert_format(f)]

@@ -118,14 +118,13 @@ def refuse_unpackable(source, artifact: str, layout: bool = False) -> None:
     """What cardfit cannot write yet, refused before any work (fit calls it before its scan); with `layout`,
     (a runnable source) also an architecture or config llama.cpp's GGUF cannot hold or would compute
     differently (gguf_arch.ArchSpec's refusals)."""
-    from ..checkpoint_map import merges_per_expert
+    from ..checkpoint_map import fused_only
     from ..groups import expert_stack
 
-    model_type = str(source.config.get("model_type", ""))
-    if artifact != "gguf" and any(expert_stack(t.name) for t in source.tensors()) and not merges_per_expert(model_type):
-        raise CardfitError(f"transformers loads {model_type}'s experts only as its fused stacks, and a "
-                           "compressed-tensors checkpoint stores them one per expert",
-                           "plan for llama.cpp and pack as --format gguf")
+    if artifact != "gguf" and any(expert_stack(t.name) for t in source.tensors()):
+        reason = fused_only(str(source.config.get("model_type", "")))
+        if reason:
+            raise CardfitError(reason, "plan for llama.cpp and pack as --format gguf")
     if artifact == "gguf" and layout:
         from .gguf_arch import ArchSpec
 

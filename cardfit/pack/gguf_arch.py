@@ -173,13 +173,12 @@ class ArchSpec:
     def elsewhere(self) -> str:
         """Where a config llama.cpp cannot hold goes: compressed-tensors, unless transformers could not load its
         experts from one (gpt-oss: only its fused stacks, pack.refuse_unpackable)."""
-        from ..checkpoint_map import merges_per_expert
+        from ..checkpoint_map import fused_only
 
-        model_type = str(self.config.get("model_type", ""))
         if self.config.get("num_local_experts") or self.config.get("num_experts"):
-            if not merges_per_expert(model_type):
-                return (f"no file cardfit writes holds this config (transformers loads {model_type}'s experts only "
-                        "as fused stacks, and compressed-tensors stores them one per expert)")
+            reason = fused_only(str(self.config.get("model_type", "")))
+            if reason:
+                return f"no file cardfit writes holds this config ({reason})"
         return "pack it as --format compressed-tensors"
 
     def refuse_gpt_oss_llama_cpp_computes_differently(self) -> None:
