@@ -64,17 +64,28 @@ def atomic_paths(*paths: str | Path | None):
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | Path):
-    """Yield a temporary directory beside `path`; it becomes `path` only on success."""
+def atomic_directory(path: str | Path, made_once: bool = False):
+    """Yield a temporary directory beside `path`; it becomes `path` only on success. `made_once`: `path`
+    is a cache entry named by its content, so when another process finished it first, theirs is kept and
+    ours dropped; replacing it would pull files from under a process reading them (two scans started
+    together on one GGUF)."""
     path = Path(path)
     _check_parent(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
+        if path.exists() and made_once:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         if path.exists():
             shutil.rmtree(path)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process renamed its copy into place between the check and here
+            if not (made_once and path.exists()):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -266,18 +266,35 @@ class StreamedModel:
         return out[0] if isinstance(out, tuple) else out
 
     @torch.no_grad()
-    def logits(self, hidden: torch.Tensor, overrides: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Final norm and lm_head (the embedding when tied), in float32."""
+    def logits(self, hidden: torch.Tensor, overrides: Mapping[str, torch.Tensor] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and lm_head (the embedding when tied), in float32; written into `out` (float32,
+        hidden's positions x vocab) when given, the same bits without a fresh (positions x vocab) tensor."""
         with self.resident(NORM), self.resident(EMBED if self.tied else LM_HEAD, overrides):
             normed = self.decoder.norm(hidden.to(self.device, torch.float32))
-            return self._soft_capped(self.model.lm_head(normed))
+            if out is None or self.model.lm_head.bias is not None:
+                return self._soft_capped(self.model.lm_head(normed))
+            return self._into(normed, self.model.lm_head.weight, out)
 
     @torch.no_grad()
-    def logits_with(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    def logits_with(self, hidden: torch.Tensor, head_weight: torch.Tensor, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
         """Logits through a given head matrix, the final norm resident: lets a caller hold two heads
-        (reference and quantized) at once instead of loading one per call."""
+        (reference and quantized) at once instead of loading one per call. `out` as in logits."""
         normed = self.decoder.norm(hidden.to(self.device, torch.float32))
-        return self._soft_capped(torch.nn.functional.linear(normed, head_weight.to(self.device, torch.float32)))
+        weight = head_weight.to(self.device, torch.float32)
+        if out is None:
+            return self._soft_capped(torch.nn.functional.linear(normed, weight))
+        return self._into(normed, weight, out)
+
+    def _into(self, normed: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """normed @ weightᵀ, soft-capped, in `out`: the kernel linear calls on a 2-D view, so the same
+        bits (test_runner)."""
+        torch.mm(normed.reshape(-1, normed.shape[-1]), weight.to(torch.float32).t(), out=out.view(-1, out.shape[-1]))
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        if softcap:
+            out.div_(softcap).tanh_().mul_(softcap)
+        return out
 
     def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
         softcap = getattr(self.model.config, "final_logit_softcapping", None)

@@ -124,6 +124,7 @@ class Scanner:
         self.keep_reference = cache.budget is None or chunks.numel() * vocab * 4 <= cache.budget
         # (batch, row, first position) -> the reference's log-probabilities and argmax, on the host
         self.ref_logits: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers: torch.Tensor | None = None  # _slice_buffers'
 
     @torch.no_grad()
     def reference(self) -> DistanceMeter:
@@ -213,13 +214,21 @@ class Scanner:
             for track in tracks:
                 quantized = track.replacements(head).get(head_weight)
                 q_head = (self.stream.logits if quantized is None
-                          else lambda x, w=quantized: self.stream.logits_with(x, w))
+                          else lambda x, out, w=quantized: self.stream.logits_with(x, w, out=out))
                 meters[track.key] = self._distances(track.hidden, self.stream.logits, q_head)
         return meters
 
+    def _slice_buffers(self, positions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Three (1 x positions x vocab) float32 views on the device, allocated once per scan: a cell's
+        logits and kl_from_logprobs' two temporaries, written in place slice after slice."""
+        if self._buffers is None:
+            vocab = self.stream.model.config.vocab_size
+            self._buffers = torch.empty(3, 1, LOGIT_POSITIONS, vocab, device=self.engine.device)
+        return tuple(buffer[:, :positions] for buffer in self._buffers)
+
     def _distances(self, hidden: list[torch.Tensor], ref_head, q_head) -> DistanceMeter:
-        """KL and top-1 per sequence, logits computed LOGIT_POSITIONS at a time: two (slice x vocab)
-        float32 logits alive, not two whole sequences or batches."""
+        """KL and top-1 per sequence, logits computed LOGIT_POSITIONS at a time into buffers kept for
+        the scan: the (slice x vocab) float32 tensors a cell needs, not whole sequences or batches."""
         meter = DistanceMeter()
         for b, h in enumerate(hidden):
             final = None if self.keep_reference else self.cache.get(self.layers, b)
@@ -227,14 +236,15 @@ class Scanner:
                 kl, agree = [], []
                 for start in range(0, h.shape[1], LOGIT_POSITIONS):
                     end = start + LOGIT_POSITIONS
-                    q = q_head(h[r:r + 1, start:end])
+                    logits, *scratch = self._slice_buffers(h[r:r + 1, start:end].shape[1])
+                    q = q_head(h[r:r + 1, start:end], out=logits)
                     if self.keep_reference:
                         ref_logprobs, ref_top = (t.to(q.device, non_blocking=True)
                                                  for t in self.ref_logits[(b, r, start)])
                     else:
                         ref = ref_head(final[r:r + 1, start:end])
                         ref_logprobs, ref_top = torch.log_softmax(ref, dim=-1), ref.argmax(-1)
-                    kl.append(kl_from_logprobs(ref_logprobs, q))
+                    kl.append(kl_from_logprobs(ref_logprobs, q, scratch))
                     agree.append(ref_top == q.argmax(-1))
                 # one copy to the host per sequence: each copy waits for the device
                 meter.record(torch.cat(kl, -1).cpu(), torch.cat(agree, -1).cpu())

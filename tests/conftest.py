@@ -1,11 +1,18 @@
 import os
 from pathlib import Path
 
-import pytest
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # README's command runs two test processes on two cores: one compute thread each (and in the
+    # commands they start), or their OpenMP pools wait on each other's cores
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -180,7 +180,7 @@ def test_bfloat16_layers_keep_coarse_cells_and_float32_stays_the_default(tmp_pat
     from cardfit.engine import resolve_dtype
     from cardfit.scan import scan
 
-    common = dict(max_tokens=512, formats="Q8_0,Q2_K", seq_len=256, progress=False, device="cpu")
+    common = dict(max_tokens=256, formats="Q8_0,Q2_K", seq_len=256, progress=False, device="cpu")
     f32 = scan(None, None, out=tmp_path / "f32.json", dtype="float32", **common)
     bf16 = scan(None, None, out=tmp_path / "bf16.json", dtype="bfloat16", **common)
     for a, b in zip(f32["groups"], bf16["groups"]):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -249,3 +250,39 @@ def test_a_single_chunk_scan_records_no_stderr_and_plans(tiny_model, calib_text,
     assert any(c["stderr"] is None for c in cells)
     assert "NaN" not in (tmp_path / "map.json").read_text()
     assert plan(tmp_path / "map.json", 10**9)["groups"]
+
+
+def test_a_cache_entry_another_process_finished_first_is_kept(tmp_path):
+    """Two processes converting one GGUF at once (two scans, or test workers): the one finishing second
+    keeps the first one's directory, which the first may be reading, and leaves no .part behind; an
+    ordinary output is still replaced."""
+    from cardfit.atomic import atomic_directory
+
+    for made_once, survivor in ((True, "theirs"), (False, "ours")):
+        target = tmp_path / f"entry-{made_once}"
+        with atomic_directory(target, made_once=made_once) as tmp:
+            (tmp / "who").write_text("ours")
+            target.mkdir()  # the other process renames its copy into place meanwhile
+            (target / "who").write_text("theirs")
+        assert (target / "who").read_text() == survivor
+    assert not list(tmp_path.glob(".*.part"))
+
+
+def test_a_cache_entry_renamed_in_between_check_and_rename_is_kept(tmp_path, monkeypatch):
+    import errno
+
+    from cardfit import atomic
+
+    target = tmp_path / "entry"
+
+    def other_process_first(src, dst):
+        Path(dst).mkdir()
+        (Path(dst) / "who").write_text("theirs")
+        raise OSError(errno.ENOTEMPTY, "Directory not empty")
+
+    monkeypatch.setattr(atomic.os, "replace", other_process_first)
+    with atomic.atomic_directory(target, made_once=True) as tmp:
+        (tmp / "who").write_text("ours")
+    assert (target / "who").read_text() == "theirs" and not list(tmp_path.glob(".*.part"))
+    with pytest.raises(OSError), atomic.atomic_directory(tmp_path / "output") as tmp:
+        (tmp / "who").write_text("ours")

@@ -84,3 +84,31 @@ def test_gptq_and_awq_beat_rtn_on_the_real_model(default_model_dir):
     ppl = {m: measure(stream, held, quantize_model(stream, calib, chosen, m), ref).perplexity
            for m in ("rtn", "gptq", "awq")}
     assert ppl["gptq"] < ppl["rtn"] and ppl["awq"] < ppl["rtn"], ppl
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3-softcap"])
+def test_logits_and_kl_written_into_buffers_are_the_same_bits(tiny_model, kind):
+    """The scan's head writes each slice's logits and KL temporaries into buffers it keeps; the bits
+    must be those of the out-of-place path, or maps would change (untied, tied, soft-capped heads; a
+    quantized head through logits_with)."""
+    from cardfit.metrics import kl_from_logprobs
+
+    source = open_model(tiny_model(kind))
+    engine = Engine(source, "cpu")
+    stream = engine.stream
+    hidden = torch.randn(1, 40, stream.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    vocab = stream.model.config.vocab_size
+    buffers = torch.full((3, 1, 64, vocab), float("nan"))
+    logits, *scratch = (b[:, :40] for b in buffers)
+    head = next(t for t in source.groups()["embed" if stream.tied else "lm_head"] if len(t.shape) == 2)
+    quantized = get_format("Q4_K").roundtrip(head.name, source.read(head.name))
+    with engine.head():
+        ref = torch.log_softmax(stream.logits(hidden * 0.5), dim=-1)
+        for plain, into in ((lambda: stream.logits(hidden), lambda: stream.logits(hidden, out=logits)),
+                            (lambda: stream.logits_with(hidden, quantized),
+                             lambda: stream.logits_with(hidden, quantized, out=logits))):
+            expected = plain()
+            got = into()
+            assert got.data_ptr() == logits.data_ptr() and torch.equal(got, expected)
+            assert torch.equal(kl_from_logprobs(ref, got, scratch), kl_from_logprobs(ref, expected))
+            assert kl_from_logprobs(ref, expected).max() > 0
