@@ -130,7 +130,11 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     moved = bytes_read + layer_forwards * hidden_bytes * (2 if engine.device.type == "cuda" else 0)
     activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
     reference = tokens * geometry.vocab_size * 4 if scanner.keep_reference else 0
-    peak = activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
+    from .scan import LOGIT_POSITIONS
+
+    head_buffers = 3 * LOGIT_POSITIONS * geometry.vocab_size * 4  # a slice's logits and its KL's two temporaries
+    peak = (activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
+            + head_buffers)
     seconds = reference_seconds + sum(group_seconds)
     return ScanEstimate(layer_forwards, head_forwards, layer_reads, quantizations, flops, bytes_read, moved, peak,
                         seconds, calibration_seconds, units, reference_seconds, group_seconds)

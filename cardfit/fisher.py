@@ -238,12 +238,16 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
             damage = dict.fromkeys((f.name for f in formats), 0.0)
             for t in groups[index].quantizable:
                 weight = source.read(t.name)
-                rounded = [f for f in formats if f.storage(t.name, t.shape) != "F32"]
-                kl = over_items(lambda fmt: predicted_kl(fisher[t.name], weight, fmt.roundtrip(t.name, weight, None,
-                                                                                                "rtn")),
-                                rounded, weight.numel())
-                for fmt, nats in zip(rounded, kl):
-                    damage[fmt.name] += nats
+                alike: dict[tuple, list] = {}  # formats that round this tensor the same, priced once
+                for f in formats:
+                    if f.storage(t.name, t.shape) != "F32":
+                        alike.setdefault(f.rounding_key(t.name, t.shape, "rtn"), []).append(f)
+                kl = over_items(lambda same: predicted_kl(fisher[t.name], weight,
+                                                          same[0].roundtrip(t.name, weight, None, "rtn")),
+                                list(alike.values()), weight.numel())
+                for same, nats in zip(alike.values(), kl):
+                    for fmt in same:
+                        damage[fmt.name] += nats
             if done is not None:
                 done(index, damage)
 

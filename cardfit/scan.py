@@ -182,9 +182,23 @@ class Scanner:
         return {}
 
     def quantized(self, group: Group, fmt: Format, calibration: dict[str, Calibration]) -> dict[str, torch.Tensor]:
-        method = fmt.method_for(self.rounding)
-        return {t.name: fmt.roundtrip(t.name, self.source.read(t.name), calibration.get(t.name), method)
-                for t in group.quantizable}
+        return self.variants(group, [fmt], calibration)[fmt.name]
+
+    def variants(self, group: Group, formats: list[Format], calibration: dict[str, Calibration]
+                 ) -> dict[str, dict[str, torch.Tensor]]:
+        """Each format's copy of the group's tensors; a tensor that two formats round alike (the same
+        `rounding_key`: a K-quant's fallback rows and the fallback type itself) is rounded once and
+        shared by both copies, the same values either way."""
+        copies: dict[str, dict[str, torch.Tensor]] = {f.name: {} for f in formats}
+        for t in group.quantizable:
+            weight, made = None, {}
+            for fmt in formats:
+                key = fmt.rounding_key(t.name, t.shape, self.rounding)
+                if key not in made:
+                    weight = self.source.read(t.name) if weight is None else weight
+                    made[key] = fmt.roundtrip(t.name, weight, calibration.get(t.name), key[2])
+                copies[fmt.name][t.name] = made[key]
+        return copies
 
     @torch.no_grad()
     def sweep(self, group: Group, variants: dict[str, dict[str, torch.Tensor]]) -> dict[str, DistanceMeter]:
@@ -522,7 +536,7 @@ class RoundedAhead:
         if index >= len(self.sweeps):
             return None
         group, formats = self.sweeps[index]
-        return self.pool.submit(lambda: {f.name: self.scanner.quantized(group, f, {}) for f in formats})
+        return self.pool.submit(lambda: self.scanner.variants(group, formats, {}))
 
     def take(self, group: Group, formats: list[Format]) -> dict[str, dict[str, torch.Tensor]] | None:
         """The copies of this sweep if they are the next ones rounded ahead, else None."""
@@ -562,7 +576,7 @@ def measure_group(scanner: Scanner, group: Group, pending: list[Format], limit: 
         variants = ahead.take(group, sweep_formats) if ahead else None
         if variants is None:
             with scanner.engine.quantizers():
-                variants = {f.name: scanner.quantized(group, f, calibration_stats) for f in sweep_formats}
+                variants = scanner.variants(group, sweep_formats, calibration_stats)
         meters = scanner.sweep(group, variants)
         del variants
         swept = {}

@@ -85,3 +85,29 @@ def test_formats_priced_on_threads_give_the_sequential_cells(tiny_model, tmp_pat
                       seq_len=32, progress=False, device="cpu", method="fast")
         cells[cores] = {(g["name"], f): c["damage"] for g in result["groups"] for f, c in g["cells"].items()}
     assert cells[2] == cells[1] and len(cells[1]) > 10 and all(v >= 0 for v in cells[1].values())
+
+
+@pytest.mark.parametrize("method", ["exact", "fast"])
+def test_formats_that_round_a_tensor_alike_round_it_once(tiny_model, tmp_path, monkeypatch, method):
+    """The tiny model's 64-wide rows fall back from every K-quant (Q4_K stores Q5_0, Q2_K and Q3_K store
+    Q4_0): the scan and the Fisher's pricing round each such tensor once for all the formats that store
+    it alike, and those formats' cells are the same values."""
+    from cardfit.formats import GgmlFormat
+    from cardfit.scan import scan
+
+    calls = []
+    roundtrip = GgmlFormat.roundtrip
+
+    def counted(self, name, weight, *args, **kwargs):
+        calls.append((self.name, name))
+        return roundtrip(self, name, weight, *args, **kwargs)
+
+    monkeypatch.setattr(GgmlFormat, "roundtrip", counted)
+    result = scan(tiny_model("llama"), small_text(tmp_path), 128, "Q4_K,Q5_0,Q3_K,Q2_K,Q4_0,Q8_0",
+                  out=tmp_path / "map.json", seq_len=32, progress=False, device="cpu", method=method)
+    for g in result["groups"]:
+        cells = {f: c["damage"] for f, c in g["cells"].items()}
+        assert cells["Q4_K"] == cells["Q5_0"] and cells["Q3_K"] == cells["Q2_K"] == cells["Q4_0"], g["name"]
+    layer_calls = [name for _, name in calls if ".layers." in name]  # the exact scan sweeps the embedding and
+    # the head a format at a time (the largest copies are held one at a time), so only layers share
+    assert len(layer_calls) == 3 * len(set(layer_calls)) > 0  # Q5_0, Q4_0, Q8_0 storage: 3 round trips, not 6

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from cardfit.scan import scan
 
@@ -99,10 +98,22 @@ def test_sigkill_then_resume_gives_the_identical_map(tiny_models, tmp_path):
     assert part.read_bytes() == whole.read_bytes()
 
 
-def test_activations_spill_to_disk_under_a_memory_cap(tiny_models, tmp_path):
+def test_activations_spill_to_disk_under_a_memory_cap(tiny_models, tmp_path, monkeypatch):
+    from cardfit.activations import ActivationCache
+
+    spilled, put = [], ActivationCache.put
+
+    def counting_put(self, point, batch, hidden):
+        put(self, point, batch, hidden)
+        if (point, batch) not in self.memory:
+            spilled.append((point, batch))
+
+    monkeypatch.setattr(ActivationCache, "put", counting_put)
     text = small_text(tmp_path)
-    free = run_scan(tiny_models["qwen2"], text, tmp_path / "a.json")
-    capped = run_scan(tiny_models["qwen2"], text, tmp_path / "b.json", memory_cap=64 * 1024)
+    run_scan(tiny_models["qwen2"], text, tmp_path / "a.json")
+    assert not spilled
+    run_scan(tiny_models["qwen2"], text, tmp_path / "b.json", memory_cap=64 * 1024)
+    assert spilled  # the cap sent hidden states to disk, and the map is the same bytes
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
     assert not any(p.name.startswith("cardfit-acts-") for p in tmp_path.iterdir())  # spill dir cleaned
 

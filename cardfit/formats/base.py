@@ -54,6 +54,13 @@ class Format:
         """The weight as the runtime will compute with it after this format stores it."""
         raise NotImplementedError
 
+    def rounding_key(self, name: str, shape: tuple[int, ...], requested: str) -> tuple:
+        """Formats whose keys are equal round this tensor to the same values with the same statistics:
+        the round trip depends only on the storage it resolves to and the rounding used (a K-quant whose
+        rows its block does not divide stores its fallback, Q4_K's 896-wide rows are Q5_0's), so a
+        caller rounds it once for all of them (tests/test_formats.py)."""
+        return type(self), self.storage(name, shape), self.method_for(requested)
+
     def methods(self) -> tuple[str, ...]:
         """The roundings this format takes, its default first."""
         return ("rtn",)
