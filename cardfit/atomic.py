@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import CardfitError
@@ -64,18 +65,22 @@ def atomic_paths(*paths: str | Path | None):
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | Path, made_once: bool = False):
-    """Yield a temporary directory beside `path`; it becomes `path` only on success. `made_once`: `path`
-    is a cache entry named by its content, so when another process finished it first, theirs is kept and
-    ours dropped; replacing it would pull files from under a process reading them (two scans started
-    together on one GGUF)."""
+def atomic_directory(path: str | Path, keep_whole: Callable[[Path], bool] | None = None):
+    """Yield a temporary directory beside `path`; it becomes `path` only on success. `keep_whole`: `path`
+    is a cache entry named by its content, so one another process finished first, and that keep_whole
+    says is whole, is kept and ours dropped; replacing it would pull files from under a process reading
+    them (two scans started together on one GGUF). An entry that is not whole is replaced."""
     path = Path(path)
     _check_parent(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent))
+
+    def theirs_kept() -> bool:
+        return keep_whole is not None and path.is_dir() and keep_whole(path)
+
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
-        if path.exists() and made_once:
+        if theirs_kept():
             shutil.rmtree(tmp, ignore_errors=True)
             return
         if path.exists():
@@ -83,7 +88,7 @@ def atomic_directory(path: str | Path, made_once: bool = False):
         try:
             os.replace(tmp, path)
         except OSError:  # another process renamed its copy into place between the check and here
-            if not (made_once and path.exists()):
+            if not theirs_kept():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:

@@ -254,17 +254,18 @@ def test_a_single_chunk_scan_records_no_stderr_and_plans(tiny_model, calib_text,
 
 def test_a_cache_entry_another_process_finished_first_is_kept(tmp_path):
     """Two processes converting one GGUF at once (two scans, or test workers): the one finishing second
-    keeps the first one's directory, which the first may be reading, and leaves no .part behind; an
-    ordinary output is still replaced."""
+    keeps the first one's directory, which the first may be reading, and leaves no .part behind; a broken
+    entry (no config) and an ordinary output are still replaced."""
     from cardfit.atomic import atomic_directory
 
-    for made_once, survivor in ((True, "theirs"), (False, "ours")):
-        target = tmp_path / f"entry-{made_once}"
-        with atomic_directory(target, made_once=made_once) as tmp:
+    whole = lambda entry: (entry / "who").exists()  # noqa: E731
+    for keep, theirs_whole, survivor in ((whole, True, "theirs"), (whole, False, "ours"), (None, True, "ours")):
+        target = tmp_path / f"entry-{keep is None}-{theirs_whole}"
+        with atomic_directory(target, keep_whole=keep) as tmp:
             (tmp / "who").write_text("ours")
-            target.mkdir()  # the other process renames its copy into place meanwhile
-            (target / "who").write_text("theirs")
-        assert (target / "who").read_text() == survivor
+            target.mkdir()  # the other process renames its copy into place meanwhile (or left a broken one)
+            (target / ("who" if theirs_whole else "half")).write_text("theirs")
+        assert (target / "who").read_text() == survivor and not (target / "half").exists()
     assert not list(tmp_path.glob(".*.part"))
 
 
@@ -281,7 +282,7 @@ def test_a_cache_entry_renamed_in_between_check_and_rename_is_kept(tmp_path, mon
         raise OSError(errno.ENOTEMPTY, "Directory not empty")
 
     monkeypatch.setattr(atomic.os, "replace", other_process_first)
-    with atomic.atomic_directory(target, made_once=True) as tmp:
+    with atomic.atomic_directory(target, keep_whole=lambda entry: (entry / "who").exists()) as tmp:
         (tmp / "who").write_text("ours")
     assert (target / "who").read_text() == "theirs" and not list(tmp_path.glob(".*.part"))
     with pytest.raises(OSError), atomic.atomic_directory(tmp_path / "output") as tmp:

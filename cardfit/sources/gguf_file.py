@@ -256,14 +256,14 @@ class GgufSource(ModelSource):
         transformers' GGUF loader undoes llama.cpp's converter transforms (Q/K rotary
         permutation, Gemma's norm offset), so the result computes what the GGUF computes.
         The directory appears whole or not at all; both callers keep it as a cache entry named by the
-        file's content, so one another process finished first is kept.
+        file's content, so a whole one (its config written) another process finished first is kept.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
         from ..atomic import atomic_directory
 
         out_dir = Path(out_dir)
-        with atomic_directory(out_dir, made_once=True) as tmp:
+        with atomic_directory(out_dir, keep_whole=lambda made: (made / "config.json").exists()) as tmp:
             try:
                 model = AutoModelForCausalLM.from_pretrained(
                     str(self.path.parent), gguf_file=self.path.name, dtype=dtype,
