@@ -288,16 +288,17 @@ class StreamedModel:
         return self._into(normed, weight, out)
 
     def _into(self, normed: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """normed @ weightᵀ, soft-capped, in `out`: the kernel linear calls on a 2-D view, so the same
-        bits (test_runner)."""
-        torch.mm(normed.reshape(-1, normed.shape[-1]), weight.to(torch.float32).t(), out=out.view(-1, out.shape[-1]))
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        if softcap:
-            out.div_(softcap).tanh_().mul_(softcap)
-        return out
+        """normed @ weightᵀ (a float32 head), soft-capped, in `out`: the kernel linear calls on a 2-D view,
+        so the same bits (test_runner)."""
+        torch.mm(normed.reshape(-1, normed.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
+        return self._soft_capped(out, in_place=True)
 
-    def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+    def _soft_capped(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """Gemma 2's final logit soft-capping where the config asks for it; `in_place` for a buffer outside
+        any autograd graph (tanh keeps its output for the backward the Fisher pass runs)."""
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        if softcap:
+        if softcap and in_place:
+            logits.div_(softcap).tanh_().mul_(softcap)
+        elif softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return logits.to(torch.float32)

@@ -196,7 +196,7 @@ class Scanner:
                 key = fmt.rounding_key(t.name, t.shape, self.rounding)
                 if key not in made:
                     weight = self.source.read(t.name) if weight is None else weight
-                    made[key] = fmt.roundtrip(t.name, weight, calibration.get(t.name), key[2])
+                    made[key] = fmt.roundtrip(t.name, weight, calibration.get(t.name), fmt.method_for(self.rounding))
                 copies[fmt.name][t.name] = made[key]
         return copies
 
@@ -250,8 +250,9 @@ class Scanner:
                 kl, agree = [], []
                 for start in range(0, h.shape[1], LOGIT_POSITIONS):
                     end = start + LOGIT_POSITIONS
-                    logits, *scratch = self._slice_buffers(h[r:r + 1, start:end].shape[1])
-                    q = q_head(h[r:r + 1, start:end], out=logits)
+                    piece = h[r:r + 1, start:end]
+                    logits, *scratch = self._slice_buffers(piece.shape[1])
+                    q = q_head(piece, out=logits)
                     if self.keep_reference:
                         ref_logprobs, ref_top = (t.to(q.device, non_blocking=True)
                                                  for t in self.ref_logits[(b, r, start)])

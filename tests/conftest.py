@@ -3,7 +3,9 @@ from pathlib import Path
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # README's command runs two test processes on two cores: one compute thread each (and in the
-    # commands they start), or their OpenMP pools wait on each other's cores
+    # commands they start), or their OpenMP pools wait on each other's cores. Set before torch loads:
+    # OpenMP reads it once, for every thread; torch.set_num_threads below reaches only the main thread,
+    # and a thread-pool thread with two would sum in another order (test_fisher's threaded pricing).
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402

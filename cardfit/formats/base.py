@@ -58,7 +58,7 @@ class Format:
         """Formats whose keys are equal round this tensor to the same values with the same statistics:
         the round trip depends only on the storage it resolves to and the rounding used (a K-quant whose
         rows its block does not divide stores its fallback, Q4_K's 896-wide rows are Q5_0's), so a
-        caller rounds it once for all of them (tests/test_formats.py)."""
+        caller rounds it once for all of them (tests/test_fisher.py)."""
         return type(self), self.storage(name, shape), self.method_for(requested)
 
     def methods(self) -> tuple[str, ...]:
