@@ -27,12 +27,13 @@ def replay(exact: dict, cheap: dict, budgets: list[int]) -> tuple[int, int, list
                               "method": "estimate", "signal": priced["cells"][f]["damage"]} for f in fmts}
     measured = 0
 
-    def measure(index: int, names: list[str]) -> None:
+    def measure(todo: dict[int, list[str]]) -> None:
         nonlocal measured
-        for name in names:
-            signal = result["groups"][index]["cells"][name]["signal"]
-            result["groups"][index]["cells"][name] = {**exact["groups"][index]["cells"][name], "signal": signal}
-            measured += 1
+        for index, names in todo.items():
+            for name in names:
+                signal = result["groups"][index]["cells"][name]["signal"]
+                result["groups"][index]["cells"][name] = {**exact["groups"][index]["cells"][name], "signal": signal}
+                measured += 1
 
     rounds = adaptive.adaptive_rounds(result, budgets, measure)
     truth, replayed = Problem.from_map(exact), Problem.from_map(result)

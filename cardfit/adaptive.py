@@ -12,6 +12,8 @@ the signal its measured error: the RMS log error of each measured cell as predic
 (signal_error). Every later round measures each plan's estimated choices, and each estimated cell
 that the plan would take if its damage were BAND such errors lower than estimated (found by solving
 again with that one cell lowered). The loop stops when no cell is left to measure at any budget.
+A round's cells are measured together (scan.measure_round): one walk through the layers for all of
+them, each layer and the head read once per round rather than once per group.
 
 What it does not promise: two cells that are each within the band but together overestimated can
 still hide a better plan, and a signal much worse on the unmeasured cells than on the measured ones
@@ -156,8 +158,8 @@ def check_budgets(result: dict, budgets: list[int], reserve: int) -> None:
 
 def adaptive_rounds(result: dict, budgets: list[int], measure, log=None, max_rounds: int = 20) -> int:
     """Estimate, plan at every budget (tensor bytes, checked by check_budgets), measure the deciding cells
-    not yet exact (`measure(group index, [format names])` puts exact cells into result), until none is
-    left. Returns the rounds run."""
+    not yet exact (`measure({group index: [format names]})` puts a round's exact cells into result, all
+    at once so they can share walks), until none is left. Returns the rounds run."""
     from .errors import CardfitError
     from .plan import Problem, _solve
 
@@ -179,6 +181,5 @@ def adaptive_rounds(result: dict, budgets: list[int], measure, log=None, max_rou
             return rounds
         if log:
             log(f"adaptive round {rounds}: measuring {sum(map(len, todo.values()))} cells in {len(todo)} groups")
-        for g, names in todo.items():
-            measure(g, names)
+        measure(todo)
     raise CardfitError(f"the adaptive scan did not settle in {max_rounds} rounds", "use --method exact")

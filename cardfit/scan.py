@@ -593,6 +593,101 @@ def measure_group(scanner: Scanner, group: Group, pending: list[Format], limit: 
     return cells
 
 
+ROUND_TRACK_BYTES = 2 << 30  # hidden states one walk of measure_round holds, unless --memory-cap says less
+
+
+def measure_round(scanner: Scanner, todo: list[tuple[Group, list[Format]]], track_bytes: int = ROUND_TRACK_BYTES
+                  ) -> list[GroupCells]:
+    """Every pending cell of several groups (an adaptive round), cell for cell the bits measure_group gives:
+    the decoder-layer groups' cells walk together as tracks starting at their own layers, so each layer
+    and the head are read once per walk instead of once per group (the embedding and the head's own
+    group, whose copies ride the whole walk, are swept by measure_group). A walk holds at most
+    `track_bytes` of hidden states (never fewer tracks than one group's formats); a cell's copy is
+    rounded when its track reaches its layer, the rounding of a tensor shared by the formats that round
+    it alike, and dropped as soon as no track left at that layer needs it: at most one copy held."""
+    out = [GroupCells() for _ in todo]
+    limit = max((copy_bytes(g) for g, _ in todo), default=0)
+    walks: list[list[int]] = []
+    held = 0
+    per_track = len(scanner.chunks) * scanner.chunks.shape[1] * scanner.stream.model.config.hidden_size \
+        * torch.finfo(scanner.engine.dtype).bits // 8
+    for k, (group, pending) in sorted(enumerate(todo), key=lambda item: item[1][0].start):
+        if not 0 <= group.start < scanner.layers:
+            out[k] = measure_group(scanner, group, pending, limit)
+            continue
+        measured = measured_formats(group, pending)
+        out[k].update({f.name: {"damage": 0.0, "stderr": 0.0, "top1": 1.0} for f in pending if f not in measured})
+        if not measured:
+            continue
+        size = len(measured) * per_track
+        if not walks or held + size > max(track_bytes, size):
+            walks.append([])
+            held = 0
+        walks[-1].append(k)
+        held += size
+    for walk in walks:
+        meters = _walk_round(scanner, [(k, todo[k][0], measured_formats(*todo[k])) for k in walk])
+        for k in walk:
+            out[k].sweeps += 1
+            for fmt in measured_formats(*todo[k]):
+                meter = meters[(k, fmt.name)]
+                stderr = meter.kl_stderr
+                out[k][fmt.name] = {"damage": meter.kl, "stderr": stderr if math.isfinite(stderr) else None,
+                                    "top1": meter.top1}
+        return_freed_memory()
+    return out
+
+
+def _walk_round(scanner: Scanner, cells: list[tuple[int, Group, list[Format]]]) -> dict[tuple[int, str], DistanceMeter]:
+    """One walk of measure_round: (k, decoder-layer group, formats) -> a DistanceMeter per (k, format)."""
+    at_layer: dict[int, list[tuple[int, Group, list[Format]]]] = {}
+    for k, group, formats in cells:
+        at_layer.setdefault(group.start, []).append((k, group, formats))
+    tracks, needs = [], {}  # needs: track key -> (tensor name, rounding key) of its copy
+    for start in sorted(at_layer):
+        for k, group, formats in at_layer[start]:
+            for fmt in formats:
+                key = (k, fmt.name)
+                needs[key] = [(t.name, fmt.rounding_key(t.name, t.shape, scanner.rounding)) for t in group.quantizable]
+                tracks.append(Track([], start, lambda name, key=key: copies(name, key), key))
+    made: dict[tuple, torch.Tensor] = {}  # (tensor, rounding key) -> its round trip, at the layer walked now
+    here: dict = {}  # track key -> (group, format, calibration) of the cells whose layer is walked now
+    left: list = []  # keys of those tracks not yet through the layer, in the walk's order
+    index = None
+
+    def enter(i: int, active: list[Track]) -> None:
+        nonlocal index
+        index = i
+        made.clear()
+        here.clear()
+        left[:] = [t.key for t in active if t.start == i]
+        for track in active:
+            if track.start == i:
+                track.hidden = [scanner.cache.get(i, b) for b in range(len(scanner.batches))]
+        for k, group, formats in at_layer.get(i, []):
+            calibration = scanner.calibration(group, formats)
+            here.update({(k, fmt.name): (group, fmt, calibration) for fmt in formats})
+
+    def copies(name: str, key) -> dict[str, torch.Tensor]:
+        if name != GroupId.layer_group(index) or key not in here:
+            return {}  # a layer after its own, or the head
+        left.remove(key)
+        wanted = {need for later in [key, *left] for need in needs[later]}
+        for stale in [need for need in made if need not in wanted]:
+            del made[stale]
+        group, fmt, calibration = here[key]
+        with scanner.engine.quantizers():
+            for t, need in zip(group.quantizable, needs[key]):
+                if need not in made:
+                    made[need] = fmt.roundtrip(t.name, scanner.source.read(t.name), calibration.get(t.name),
+                                               fmt.method_for(scanner.rounding))
+        return {t.name: made[need] for t, need in zip(group.quantizable, needs[key])}
+
+    scanner.engine.walk(tracks, before_layer=enter)
+    made.clear()
+    return scanner.head_distances(tracks)
+
+
 def finish(result: dict, out: Path) -> dict:
     """Mark a map whose every cell is measured complete, with its separability, and write it."""
     fraction = _separable_fraction(result["groups"], result["formats"])
@@ -703,19 +798,22 @@ def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device,
     engine = Engine(source, device, dtype, gpu_memory, log=log)
     cache = ActivationCache(None if memory_cap is None else memory_cap // 2, spill_dir=out.parent)
     scanner = Scanner(source, engine, chunks, batch, cache, rounding)
-    limit = max(copy_bytes(g) for g in groups)
     by_name = {f.name: f for f in fmts}
+    track_bytes = ROUND_TRACK_BYTES if memory_cap is None else memory_cap // 4
     reference = None
 
-    def measure(index: int, names: list[str]) -> None:
+    def measure(todo: dict[int, list[str]]) -> None:
         nonlocal reference
         if reference is None:
             reference = scanner.reference()
             result["reference"] = {"perplexity": round(reference.perplexity, 6)}
             return_freed_memory()
-        entry = result["groups"][index]
-        for name, cell in measure_group(scanner, groups[index], [by_name[n] for n in names], limit).items():
-            entry["cells"][name] = {**cell, "signal": entry["cells"][name]["signal"]}
+        measured = measure_round(scanner, [(groups[i], [by_name[n] for n in names]) for i, names in todo.items()],
+                                 track_bytes)
+        for index, cells in zip(todo, measured):
+            entry = result["groups"][index]
+            for name, cell in cells.items():
+                entry["cells"][name] = {**cell, "signal": entry["cells"][name]["signal"]}
         write_json(out, result)
 
     try:

@@ -209,3 +209,41 @@ def test_a_stage_arena_bounds_what_gptq_holds():
         capped = quantize_int(fmt, weight, calibration, "gptq")
     assert 0 < arena.peak <= 1 << 20
     assert torch.equal(capped[0], quantize_int(fmt, weight, calibration, "gptq")[0])  # same rounding, less held
+
+
+@pytest.mark.parametrize("kind,group_by,rounding", [("llama", "layer", "rtn"), ("qwen2", "tensor", "imatrix")])
+def test_a_round_of_groups_walks_once_and_gives_each_group_s_own_bits(tiny_models, kind, group_by, rounding):
+    """measure_round (an adaptive round) against measure_group per group: the same cells, bit for bit,
+    with each layer read once per walk (plus the own sweeps of the embedding and an untied head); a walk
+    too small for two groups splits by group, never inside one, and still gives the same bits. Per-tensor
+    groups share their layer's walk; imatrix rounding computes each group's statistics at its layer."""
+    from cardfit.activations import ActivationCache
+    from cardfit.formats import parse_formats
+    from cardfit.groups import EMBED, LM_HEAD
+    from cardfit.scan import Scanner, measure_group, measure_round, scan_groups
+
+    source = open_model(tiny_models[kind], run=True)
+    engine = Engine(source, "cpu")
+    scanner = Scanner(source, engine, _chunks(3, 32), 2, ActivationCache(None), rounding)
+    scanner.reference()
+    q8, q4, q2 = parse_formats("Q8_0,Q4_K,Q2_K")
+    groups = scan_groups(source, group_by)
+    in_layer = {i: [g for g in groups if g.start == i and g.quantizable] for i in (0, 1)}
+    todo = [(in_layer[1][0], [q4, q8]), (in_layer[0][0], [q2, q4]), *[(g, [q8]) for g in in_layer[0][1:][-1:]],
+            *[(g, [q4]) for g in groups if g.name in (EMBED, LM_HEAD)]]
+    layer_todo = [g for g, _ in todo if 0 <= g.start < engine.layers]
+    assert len(layer_todo) == (3 if group_by == "tensor" else 2)
+    alone = [measure_group(scanner, group, formats, 10**12) for group, formats in todo]
+    layers = engine.layers
+    own_sweeps = layers * sum(g.name == EMBED for g, _ in todo)  # the embedding's walks all L; the head's none
+    for track_bytes, walks in ((10**12, 1), (1, len(layer_todo))):
+        engine.loads.clear()
+        together = measure_round(scanner, todo, track_bytes)
+        for mine, theirs in zip(together, alone):
+            assert mine == theirs
+        # the layer groups' walks from their first layer (one walk, or one per group), then the embedding's
+        walked = layers if walks == 1 else sum(layers - g.start for g in layer_todo)
+        statistics = 0 if rounding == "rtn" else len(layer_todo)  # each group's, read at its layer
+        assert engine.layer_loads() == walked + own_sweeps + statistics, (track_bytes, engine.loads)
+    assert alone[0]["Q4_K"]["damage"] != alone[1]["Q4_K"]["damage"]
+    engine.close()
