@@ -130,9 +130,7 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     moved = bytes_read + layer_forwards * hidden_bytes * (2 if engine.device.type == "cuda" else 0)
     activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
     reference = tokens * geometry.vocab_size * 4 if scanner.keep_reference else 0
-    from .scan import LOGIT_POSITIONS
-
-    head_buffers = 3 * LOGIT_POSITIONS * geometry.vocab_size * 4  # a slice's logits and its KL's two temporaries
+    head_buffers = 3 * scanner.positions * geometry.vocab_size * 4  # a slice's logits and its KL's two temporaries
     peak = (activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
             + head_buffers)
     seconds = reference_seconds + sum(group_seconds)
@@ -164,16 +162,14 @@ def _unit_seconds(scanner, formats) -> dict:
     sync()
     forward = time.perf_counter() - t
     stream.unload(group)
-    from .scan import LOGIT_POSITIONS
-
     with engine.head():
-        stream.logits(hidden[:1, :LOGIT_POSITIONS])
+        stream.logits(hidden[:1, :scanner.positions])
         sync()
         t = time.perf_counter()
-        stream.logits(hidden[:1, :LOGIT_POSITIONS])
+        stream.logits(hidden[:1, :scanner.positions])
         sync()
         slice_seconds = time.perf_counter() - t
-    slices = hidden.shape[0] * -(-hidden.shape[1] // LOGIT_POSITIONS)
+    slices = hidden.shape[0] * -(-hidden.shape[1] // scanner.positions)
     # The KL of a slice costs about two more vocabulary-wide passes than the logits alone.
     head_forward = slice_seconds * slices * 1.5
     largest = max((t for t in source.groups()[group] if len(t.shape) >= 2), key=lambda t: t.numel)

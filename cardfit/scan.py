@@ -41,7 +41,11 @@ from .text import load_text, text_hash, token_chunks
 from .weight_signal import METRIC as WEIGHT_METRIC
 
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
-LOGIT_POSITIONS = 64  # positions per logits slice in scan: 64 x vocab float32 (12 MiB at 49k tokens)
+# Positions per logits slice: the head's matmul is (positions x hidden) by (hidden x vocab), and on 2 cores
+# it ran at 54 GFLOPS with 64 rows against 90-99 with 256 (152k vocabulary, docs/benchmarks.md); the slice's
+# three buffers are then 3 x 256 x vocab float32 (445 MiB at 152k), so under --memory-cap the slice stays 64.
+LOGIT_POSITIONS = 256
+CAPPED_LOGIT_POSITIONS = 64
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Scanner:
         self.layers = engine.layers
         vocab = self.stream.model.config.vocab_size
         self.keep_reference = cache.budget is None or chunks.numel() * vocab * 4 <= cache.budget
+        self.positions = LOGIT_POSITIONS if cache.budget is None else CAPPED_LOGIT_POSITIONS  # per logits slice
         # (batch, row, first position) -> the reference's log-probabilities and argmax, on the host
         self.ref_logits: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._buffers: torch.Tensor | None = None  # _slice_buffers'
@@ -142,12 +147,12 @@ class Scanner:
         with self.engine.head():
             for b, (ids, h) in enumerate(zip(self.batches, hidden)):
                 for r in range(h.shape[0]):
-                    for start in range(0, h.shape[1], LOGIT_POSITIONS):
-                        logits = self.stream.logits(h[r:r + 1, start:start + LOGIT_POSITIONS])
+                    for start in range(0, h.shape[1], self.positions):
+                        logits = self.stream.logits(h[r:r + 1, start:start + self.positions])
                         if self.keep_reference:  # what every cell compares against, computed once
                             self.ref_logits[(b, r, start)] = (self._held(torch.log_softmax(logits, dim=-1)),
                                                               self._held(logits.argmax(-1)))
-                        targets = ids[r:r + 1, start + 1:start + 1 + LOGIT_POSITIONS]
+                        targets = ids[r:r + 1, start + 1:start + 1 + self.positions]
                         meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
                         meter.nll_tokens += targets.numel()
         return meter
@@ -237,19 +242,20 @@ class Scanner:
         logits and kl_from_logprobs' two temporaries, written in place slice after slice."""
         if self._buffers is None:
             vocab = self.stream.model.config.vocab_size
-            self._buffers = torch.empty(3, 1, LOGIT_POSITIONS, vocab, device=self.engine.device)
+            positions = min(self.positions, self.chunks.shape[1])
+            self._buffers = torch.empty(3, 1, positions, vocab, device=self.engine.device)
         return tuple(buffer[:, :positions] for buffer in self._buffers)
 
     def _distances(self, hidden: list[torch.Tensor], ref_head, q_head) -> DistanceMeter:
-        """KL and top-1 per sequence, logits computed LOGIT_POSITIONS at a time into buffers kept for
+        """KL and top-1 per sequence, logits computed `positions` at a time into buffers kept for
         the scan: the (slice x vocab) float32 tensors a cell needs, not whole sequences or batches."""
         meter = DistanceMeter()
         for b, h in enumerate(hidden):
             final = None if self.keep_reference else self.cache.get(self.layers, b)
             for r in range(h.shape[0]):
                 kl, agree = [], []
-                for start in range(0, h.shape[1], LOGIT_POSITIONS):
-                    end = start + LOGIT_POSITIONS
+                for start in range(0, h.shape[1], self.positions):
+                    end = start + self.positions
                     piece = h[r:r + 1, start:end]
                     logits, *scratch = self._slice_buffers(piece.shape[1])
                     q = q_head(piece, out=logits)

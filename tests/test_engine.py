@@ -247,3 +247,18 @@ def test_a_round_of_groups_walks_once_and_gives_each_group_s_own_bits(tiny_model
         assert engine.layer_loads() == walked + own_sweeps + statistics, (track_bytes, engine.loads)
     assert alone[0]["Q4_K"]["damage"] != alone[1]["Q4_K"]["damage"]
     engine.close()
+
+
+def test_the_logits_slice_does_not_change_a_cell(tiny_models, tmp_path, calib_text, monkeypatch):
+    """The head's logits are computed `positions` at a time (256, for the matmul's speed; 64 under a memory
+    cap): every cell's damage and top-1 are the same bits whatever the slice, only the reference's summed
+    NLL may differ in its last place (it is summed slice by slice)."""
+    from cardfit import scan as scan_module
+
+    maps = {}
+    for positions in (64, 16):
+        monkeypatch.setattr(scan_module, "LOGIT_POSITIONS", positions)
+        maps[positions] = scan_module.scan(tiny_models["qwen2"], calib_text, 256, "Q8_0,Q2_K",
+                                           out=tmp_path / f"{positions}.json", seq_len=64, progress=False, device="cpu")
+    assert [g["cells"] for g in maps[64]["groups"]] == [g["cells"] for g in maps[16]["groups"]]
+    assert maps[64]["reference"]["perplexity"] == pytest.approx(maps[16]["reference"]["perplexity"], rel=1e-6)
