@@ -23,11 +23,9 @@ def kl_from_logprobs(ref_logprobs: torch.Tensor, q_logits: torch.Tensor,
     that the (positions x vocab) temporaries are written into, so a scan that keeps them allocates (and,
     with large blocks mapped, faults in) none of ~39 MB per 64 positions of a 152k vocabulary; the same
     kernels as the out-of-place expression, so the same bits (test_runner)."""
-    if scratch is None:
-        q = q_logits.to(torch.float32)
-        scratch = (torch.empty_like(q), torch.empty_like(q))
-    probs, work = scratch
-    torch._log_softmax(q_logits.to(torch.float32), -1, False, out=work)
+    q = q_logits.to(torch.float32)
+    probs, work = scratch if scratch is not None else (torch.empty_like(q), torch.empty_like(q))
+    torch._log_softmax(q, -1, False, out=work)
     torch.sub(ref_logprobs, work, out=work)
     torch.exp(ref_logprobs, out=probs)
     torch.mul(probs, work, out=work)

@@ -201,9 +201,13 @@ class Scanner:
                 key = fmt.rounding_key(t.name, t.shape, self.rounding)
                 if key not in made:
                     weight = self.source.read(t.name) if weight is None else weight
-                    made[key] = fmt.roundtrip(t.name, weight, calibration.get(t.name), fmt.method_for(self.rounding))
+                    made[key] = self.rounded(t, fmt, weight, calibration)
                 copies[fmt.name][t.name] = made[key]
         return copies
+
+    def rounded(self, tensor, fmt: Format, weight: torch.Tensor, calibration: dict[str, Calibration]) -> torch.Tensor:
+        """One tensor's round trip in `fmt` under the scan's rounding (the format's own where it takes no other)."""
+        return fmt.roundtrip(tensor.name, weight, calibration.get(tensor.name), fmt.method_for(self.rounding))
 
     @torch.no_grad()
     def sweep(self, group: Group, variants: dict[str, dict[str, torch.Tensor]]) -> dict[str, DistanceMeter]:
@@ -242,8 +246,8 @@ class Scanner:
         logits and kl_from_logprobs' two temporaries, written in place slice after slice."""
         if self._buffers is None:
             vocab = self.stream.model.config.vocab_size
-            positions = min(self.positions, self.chunks.shape[1])
-            self._buffers = torch.empty(3, 1, positions, vocab, device=self.engine.device)
+            longest = min(self.positions, self.chunks.shape[1])
+            self._buffers = torch.empty(3, 1, longest, vocab, device=self.engine.device)
         return tuple(buffer[:, :positions] for buffer in self._buffers)
 
     def _distances(self, hidden: list[torch.Tensor], ref_head, q_head) -> DistanceMeter:
@@ -570,7 +574,7 @@ def measure_group(scanner: Scanner, group: Group, pending: list[Format], limit: 
     run exactly this, so their cells are the same bits; `ahead` may hand over copies rounded earlier."""
     cells = GroupCells()
     measured = measured_formats(group, pending)
-    free = {f.name: {"damage": 0.0, "stderr": 0.0, "top1": 1.0} for f in pending if f not in measured}
+    free = free_cells(pending, measured)
     if free:
         cells.update(free)
         if sweep_done:
@@ -586,17 +590,22 @@ def measure_group(scanner: Scanner, group: Group, pending: list[Format], limit: 
                 variants = scanner.variants(group, sweep_formats, calibration_stats)
         meters = scanner.sweep(group, variants)
         del variants
-        swept = {}
-        for fmt in sweep_formats:
-            meter = meters[fmt.name]
-            stderr = meter.kl_stderr  # undefined over a single chunk: recorded as null, not NaN
-            swept[fmt.name] = {"damage": meter.kl, "stderr": stderr if math.isfinite(stderr) else None,
-                               "top1": meter.top1}
+        swept = {fmt.name: measured_cell(meters[fmt.name]) for fmt in sweep_formats}
         cells.update(swept)
         if sweep_done:
             sweep_done(swept)
         return_freed_memory()
     return cells
+
+
+def free_cells(pending: list[Format], measured: list[Format]) -> dict[str, dict]:
+    """The cells of the pending formats that store nothing of the group quantized: no damage."""
+    return {f.name: {"damage": 0.0, "stderr": 0.0, "top1": 1.0} for f in pending if f not in measured}
+
+
+def measured_cell(meter: DistanceMeter) -> dict:
+    stderr = meter.kl_stderr  # undefined over a single chunk: recorded as null, not NaN
+    return {"damage": meter.kl, "stderr": stderr if math.isfinite(stderr) else None, "top1": meter.top1}
 
 
 ROUND_TRACK_BYTES = 2 << 30  # hidden states one walk of measure_round holds, unless --memory-cap says less
@@ -613,33 +622,28 @@ def measure_round(scanner: Scanner, todo: list[tuple[Group, list[Format]]], trac
     it alike, and dropped as soon as no track left at that layer needs it: at most one copy held."""
     out = [GroupCells() for _ in todo]
     limit = max((copy_bytes(g) for g, _ in todo), default=0)
-    walks: list[list[int]] = []
+    walks: list[list[tuple[int, Group, list[Format]]]] = []
     held = 0
-    per_track = len(scanner.chunks) * scanner.chunks.shape[1] * scanner.stream.model.config.hidden_size \
-        * torch.finfo(scanner.engine.dtype).bits // 8
+    per_track = scanner.chunks.numel() * scanner.stream.model.config.hidden_size * scanner.engine.dtype.itemsize
     for k, (group, pending) in sorted(enumerate(todo), key=lambda item: item[1][0].start):
         if not 0 <= group.start < scanner.layers:
             out[k] = measure_group(scanner, group, pending, limit)
             continue
         measured = measured_formats(group, pending)
-        out[k].update({f.name: {"damage": 0.0, "stderr": 0.0, "top1": 1.0} for f in pending if f not in measured})
+        out[k].update(free_cells(pending, measured))
         if not measured:
             continue
         size = len(measured) * per_track
         if not walks or held + size > max(track_bytes, size):
             walks.append([])
             held = 0
-        walks[-1].append(k)
+        walks[-1].append((k, group, measured))
         held += size
     for walk in walks:
-        meters = _walk_round(scanner, [(k, todo[k][0], measured_formats(*todo[k])) for k in walk])
-        for k in walk:
+        meters = _walk_round(scanner, walk)
+        for k, _, measured in walk:
             out[k].sweeps += 1
-            for fmt in measured_formats(*todo[k]):
-                meter = meters[(k, fmt.name)]
-                stderr = meter.kl_stderr
-                out[k][fmt.name] = {"damage": meter.kl, "stderr": stderr if math.isfinite(stderr) else None,
-                                    "top1": meter.top1}
+            out[k].update({fmt.name: measured_cell(meters[(k, fmt.name)]) for fmt in measured})
         return_freed_memory()
     return out
 
@@ -685,8 +689,7 @@ def _walk_round(scanner: Scanner, cells: list[tuple[int, Group, list[Format]]]) 
         with scanner.engine.quantizers():
             for t, need in zip(group.quantizable, needs[key]):
                 if need not in made:
-                    made[need] = fmt.roundtrip(t.name, scanner.source.read(t.name), calibration.get(t.name),
-                                               fmt.method_for(scanner.rounding))
+                    made[need] = scanner.rounded(t, fmt, scanner.source.read(t.name), calibration)
         return {t.name: made[need] for t, need in zip(group.quantizable, needs[key])}
 
     scanner.engine.walk(tracks, before_layer=enter)
