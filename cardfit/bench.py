@@ -49,13 +49,13 @@ def bench(artifact: str | Path, vram: str | int | None = None, prompt_tokens: in
     path = Path(artifact)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise CardfitError(f"{path} is not a .gguf file", "cardfit bench measures GGUF artifacts in llama.cpp")
-    import llama_cpp
+    from .runtimes import load_llama
 
     process = psutil.Process()
     before = process.memory_info().rss
     start = time.perf_counter()
     try:
-        llm = llama_cpp.Llama(str(path), n_ctx=prompt_tokens + gen_tokens + 8, n_batch=prompt_tokens,
+        llm = load_llama(path, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=prompt_tokens,
                               n_threads=threads or os.cpu_count(), verbose=False)
     except (ValueError, RuntimeError) as exc:
         raise CardfitError(f"llama.cpp cannot load {path} ({exc})", "re-pack the artifact") from None

@@ -9,12 +9,50 @@ batch of token ids.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .errors import CardfitError
+
+
+_PARAMS_LOCK = threading.Lock()
+
+
+def load_llama(path: str | Path, **kwargs):
+    """llama_cpp.Llama(path, **kwargs), without llama.cpp's AMX weight buffers on a CPU that has AMX:
+    there its AMX matmul segfaults in the first decode (llama.cpp issue 20824, open; every GGUF cardfit
+    wrote crashed so on a Sapphire Rapids machine), so the weights stay in ggml's plain CPU buffers
+    (llama.cpp's `use_extra_bufts` off, which also skips its repacking; the same logits, slower on AMX).
+    llama-cpp-python does not take that parameter, so its default parameters are amended while it loads."""
+    import llama_cpp
+
+    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+        return llama_cpp.Llama(str(path), **kwargs)
+    with _without_extra_buffers():
+        return llama_cpp.Llama(str(path), **kwargs)
+
+
+@contextmanager
+def _without_extra_buffers():
+    import llama_cpp.llama_cpp as native
+
+    original = native.llama_model_default_params
+
+    def plain_buffers():
+        params = original()
+        params.use_extra_bufts = False
+        return params
+
+    with _PARAMS_LOCK:
+        native.llama_model_default_params = plain_buffers
+        try:
+            yield
+        finally:
+            native.llama_model_default_params = original
 
 
 class Runtime:
@@ -36,11 +74,9 @@ class GgufRuntime(Runtime):
     def __init__(self, path: str | Path, n_ctx: int = 512, threads: int | None = None):
         import os
 
-        import llama_cpp
-
         self.path = Path(path)
         try:
-            self.llm = llama_cpp.Llama(str(self.path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
+            self.llm = load_llama(self.path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
                                        n_threads=threads or os.cpu_count())
         except (ValueError, RuntimeError) as exc:
             raise CardfitError(f"llama.cpp cannot load {self.path} ({exc})",

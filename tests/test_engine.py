@@ -176,7 +176,8 @@ def test_cuda_scan_map_matches_the_cpu_map_within_stderr(tiny_models, tmp_path, 
 def test_bfloat16_layers_keep_coarse_cells_and_float32_stays_the_default(tmp_path):
     """The embedded model's exact map with bf16 decoder layers against the float32 one (same tokens, formats,
     rounding). Measured: bf16 adds a floor of 2e-4..1e-3 nats to every cell, which swamps Q8_0 cells
-    (~3e-5) but leaves Q2_K cells within 8 %; that is why `--dtype auto` is float32 everywhere."""
+    (~3e-5) but leaves Q2_K cells within 8 % (an EPYC's AVX512-BF16) or 17 % (a Sapphire Rapids with AMX,
+    one thread); that is why `--dtype auto` is float32 everywhere."""
     from cardfit.engine import resolve_dtype
     from cardfit.scan import scan
 
@@ -185,7 +186,7 @@ def test_bfloat16_layers_keep_coarse_cells_and_float32_stays_the_default(tmp_pat
     bf16 = scan(None, None, out=tmp_path / "bf16.json", dtype="bfloat16", **common)
     for a, b in zip(f32["groups"], bf16["groups"]):
         cell, other = a["cells"]["Q2_K"], b["cells"]["Q2_K"]
-        assert abs(cell["damage"] - other["damage"]) <= 0.15 * cell["damage"] + 1e-6, (a["name"], cell, other)
+        assert abs(cell["damage"] - other["damage"]) <= 0.25 * cell["damage"] + 1e-6, (a["name"], cell, other)
     floor = min(b["cells"]["Q8_0"]["damage"] for b in bf16["groups"] if b["cells"]["Q8_0"]["damage"] > 0)
     typical = sorted(a["cells"]["Q8_0"]["damage"] for a in f32["groups"])[len(f32["groups"]) // 2]
     assert floor > 3 * typical  # the floor the docs report: bf16 cannot price near-lossless formats

@@ -19,7 +19,7 @@ def test_fit_leaves_every_artifact(embedded_fit):
 
 
 def test_fit_artifact_fits_loads_generates_and_passes_check(embedded_fit):
-    import llama_cpp
+    from cardfit.runtimes import load_llama
 
     out, summary = embedded_fit
     recipe = summary["recipe"]
@@ -41,7 +41,7 @@ def test_fit_artifact_fits_loads_generates_and_passes_check(embedded_fit):
     assert recipe["uniform_bytes"]["Q2_K"] < recipe["bytes"] < recipe["uniform_bytes"]["Q8_0"]
     assert summary["check"]["verdict"] == "pass"
     assert summary["check"]["kld_mean"] < 0.5
-    llm = llama_cpp.Llama(str(out / "model.gguf"), n_ctx=128, verbose=False)
+    llm = load_llama(out / "model.gguf", n_ctx=128, verbose=False)
     text = llm("The capital of France is", max_tokens=6, temperature=0)["choices"][0]["text"]
     assert "Paris" in text
 
