@@ -78,7 +78,7 @@ def project(config: Path, formats: str, tokens: int, seq_len: int, batch: int, f
     layers = geometry.num_layers
     engine = SimpleNamespace(layers=layers, dtype=torch.float32, device=torch.device("cuda"))
     scanner = SimpleNamespace(engine=engine, source=source, batches=batches, chunks=chunks, rounding="rtn",
-                              keep_reference=True)
+                              heads_per_cell=lambda group: 1)
     layer_params = sum(t.numel for t in source.groups()[GroupId.layer_group(0)] if len(t.shape) >= 2)
     batch_tokens = batch * seq_len
     layer_bytes = sum(t.nbytes for t in source.groups()[GroupId.layer_group(0)])

@@ -1,7 +1,7 @@
 """The scan spread over a Ray cluster: one reference pass, then each group sweep as a Ray task.
 
 Once the reference pass has cached every group's input (the hidden states entering its first
-layer) and the reference's log-probabilities, the sweeps are independent: a worker needs the model
+layer) and the reference's summary (head_kl.py), the sweeps are independent: a worker needs the model
 (read from the same path on every node), those inputs, the final hidden states and the reference,
 and runs `scan.measure_group` — the very function the single-process scan runs, so a cell is the
 same bits wherever it was measured. The reference pass is a task too (on a GPU node when the
@@ -36,6 +36,7 @@ import torch
 
 from .atomic import write_json
 from .errors import CardfitError
+from .head_kl import ReferenceSlice, summary_bytes
 
 RETRIES = 3  # attempts after the first when the worker process of a task dies
 FORWARDED_ENV = ("CARDFIT_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -207,21 +208,20 @@ def placement(ray, workers: int | None, device: str, sweep_memory: int, referenc
 # -- the tasks -------------------------------------------------------------------------------------------
 def _reference_task(job: ScanJob, threads: int, layers: int):
     """The reference pass: its perplexity, then each boundary's hidden states (points 0..L), then the
-    reference log-probabilities — one object each, or files under the job's shared directory."""
+    reference's summary (head_kl.py) — one object each, or files under the job's shared directory."""
     torch.set_num_threads(threads)
     scanner = job.scanner()
     try:
         meter = scanner.reference()
         points = [[scanner.cache.get(p, b) for b in range(len(scanner.batches))] for p in range(layers + 1)]
-        reference = [(key, lp, top) for key, (lp, top) in scanner.ref_logits.items()]
+        reference = [(key, *ref.tensors()) for key, ref in scanner.summary.items()]
         if job.shared_dir:  # safetensors, not the object store: any dtype, read by path on every node
             from safetensors.torch import save_file
 
             for p, arrays in enumerate(points):
                 save_file({str(b): a for b, a in enumerate(arrays)}, str(Path(job.shared_dir) / f"point-{p}.safetensors"))
-            flat = {}
-            for (b, r, s), lp, top in reference:
-                flat[f"lp/{b}/{r}/{s}"], flat[f"top/{b}/{r}/{s}"] = lp, top
+            flat = {f"{i}/{b}/{r}/{s}": tensor for (b, r, s), *tensors in reference
+                    for i, tensor in enumerate(tensors)}
             save_file(flat, str(Path(job.shared_dir) / "reference.safetensors"))
             points, reference = [None] * (layers + 1), None
         return (meter.perplexity, *points, reference)
@@ -243,9 +243,8 @@ def _worker_scanner(ray, job: ScanJob, reference_box: list):
             old.cache.close()
             old.engine.close()
         scanner = job.scanner()
-        if scanner.keep_reference:
-            for ref_key, lp, top in _reference(ray, job, reference_box[0]):
-                scanner.ref_logits[ref_key] = (lp, top)
+        for ref_key, *tensors in _reference(ray, job, reference_box[0]):
+            scanner.summary[ref_key] = ReferenceSlice(*tensors)
         _WORKER.update(key=key, scanner=scanner)
     return _WORKER["scanner"]
 
@@ -286,42 +285,42 @@ def _point(ray, job: ScanJob, p: int, refs: list) -> list[torch.Tensor]:
 
 
 def _reference(ray, job: ScanJob, ref) -> list:
-    """The reference log-probabilities, from the object store or the shared directory."""
+    """The reference's summary, [((batch, row, start), its tensors...)], from the object store or the
+    shared directory."""
     if not job.shared_dir:
         return ray.get(ref)
     from safetensors.torch import load_file
 
     flat = load_file(str(Path(job.shared_dir) / "reference.safetensors"))
-    out = []
-    for name in flat:
-        if name.startswith("lp/"):
-            b, r, s = (int(x) for x in name.split("/")[1:])
-            out.append(((b, r, s), flat[name], flat[f"top/{b}/{r}/{s}"]))
-    return out
+    parts: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+    for name, tensor in flat.items():
+        i, b, r, s = (int(x) for x in name.split("/"))
+        parts.setdefault((b, r, s), {})[i] = tensor
+    return [(key, *(tensors[i] for i in sorted(tensors))) for key, tensors in parts.items()]
 
 
 # -- the coordinator ---------------------------------------------------------------------------------
-def task_memory(source, chunks: torch.Tensor, limit: int, keep_reference: bool) -> int:
+def task_memory(source, chunks: torch.Tensor, limit: int) -> int:
     """Bytes one sweep task holds at its peak: its group's input and the final hidden states, the
-    reference log-probabilities, the quantized copies of one sweep, two float32 layers and the head."""
+    reference's summary, the quantized copies of one sweep, two float32 layers and the head."""
     from .groups import GroupId
 
     g = source.geometry
     hidden = chunks.numel() * g.hidden_size * 4
-    reference = chunks.numel() * g.vocab_size * 4 if keep_reference else 0
+    reference = chunks.numel() * summary_bytes(g.hidden_size)
     layer = sum(t.numel for t in source.groups()[GroupId.layer_group(0)]) * 4
     head = g.vocab_size * g.hidden_size * 4
     return int(2 * hidden + reference + limit + 2 * layer + 2 * head + 512 * 2**20)
 
 
-def reference_task_memory(source, chunks: torch.Tensor, keep_reference: bool) -> int:
-    """Bytes the reference pass holds at its peak: every boundary (L + 1 of them) and the reference
-    log-probabilities, each twice while Ray serializes them, two float32 layers and the head."""
+def reference_task_memory(source, chunks: torch.Tensor) -> int:
+    """Bytes the reference pass holds at its peak: every boundary (L + 1 of them) and the reference's
+    summary, each twice while Ray serializes them, two float32 layers and the head."""
     from .groups import GroupId
 
     g = source.geometry
     boundaries = (g.num_layers + 1) * chunks.numel() * g.hidden_size * 4
-    reference = chunks.numel() * g.vocab_size * 4 if keep_reference else 0
+    reference = chunks.numel() * summary_bytes(g.hidden_size)
     layer = sum(t.numel for t in source.groups()[GroupId.layer_group(0)]) * 4
     head = g.vocab_size * g.hidden_size * 4
     return int(2 * (boundaries + reference) + 2 * layer + 2 * head + 512 * 2**20)
@@ -330,7 +329,7 @@ def reference_task_memory(source, chunks: torch.Tensor, keep_reference: bool) ->
 def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None, *, source, groups, todo,
                 result: dict, out: Path, fmts, chunks: torch.Tensor, batch: int, rounding: str, group_by: str,
                 device: str, dtype: str, gpu_memory: int | None, memory_cap: int | None, limit: int,
-                keep_reference: bool, bar=None, log=None, estimate=None) -> dict:
+                bar=None, log=None, estimate=None) -> dict:
     """Measure `todo` on a Ray cluster and write the map as the single-process scan would."""
     from .scan import finish, format_batches, in_map_order, pending_by_group
 
@@ -341,8 +340,8 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
     refs: list = []
     running: dict = {}
     try:
-        where = placement(ray, workers, device, task_memory(source, chunks, limit, keep_reference),
-                          reference_task_memory(source, chunks, keep_reference))
+        where = placement(ray, workers, device, task_memory(source, chunks, limit),
+                          reference_task_memory(source, chunks))
         if log:
             log(f"{said}; {where.workers} sweep{'s' * (where.workers != 1)} at a time, each "
                 + ("on one GPU" if where.device == "cuda" else f"on {where.threads} CPU thread(s)"))

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .formats import Calibration
+from .head_kl import summarize, summary_bytes
 from .groups import GroupId
 
 
@@ -28,7 +29,7 @@ class ScanEstimate:
     flops: float
     bytes_read: int  # weights read from the source
     bytes_moved: int  # weights + hidden states crossing to the device
-    peak_bytes: int  # host memory the scan holds at its peak (activations, reference logits, copies)
+    peak_bytes: int  # host memory the scan holds at its peak (activations, the reference's summary, copies)
     seconds: float
     calibration_seconds: float  # spent measuring the unit times
     unit_seconds: dict
@@ -116,7 +117,7 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
         for sweep in format_batches(group, measured, limit):
             reads += layers - max(start, kept)
             forwards += (layers - start) * batches * len(sweep)
-            heads += batches * len(sweep) * (1 if scanner.keep_reference else 2)
+            heads += batches * len(sweep) * scanner.heads_per_cell(group)
         layer_forwards, head_forwards, layer_reads = layer_forwards + forwards, head_forwards + heads, layer_reads + reads
         device_part = seconds_of(forwards, heads, reads)
         group_seconds.append(max(device_part, quantizing) if rounds_ahead else device_part + quantizing)
@@ -129,8 +130,9 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     bytes_read = layer_reads * layer_bytes
     moved = bytes_read + layer_forwards * hidden_bytes * (2 if engine.device.type == "cuda" else 0)
     activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
-    reference = tokens * geometry.vocab_size * 4 if scanner.keep_reference else 0
-    head_buffers = 3 * scanner.positions * geometry.vocab_size * 4  # a slice's logits and its KL's two temporaries
+    reference = tokens * summary_bytes(geometry.hidden_size)
+    # the reference pass's logits, probabilities and log-probabilities of one slice (a cell's buffer is one)
+    head_buffers = 3 * scanner.positions * geometry.vocab_size * 4
     peak = (activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
             + head_buffers)
     seconds = reference_seconds + sum(group_seconds)
@@ -162,16 +164,23 @@ def _unit_seconds(scanner, formats) -> dict:
     sync()
     forward = time.perf_counter() - t
     stream.unload(group)
+    piece = hidden[:1, :scanner.positions]
     with engine.head():
-        stream.logits(hidden[:1, :scanner.positions])
+        if stream.linear_head:  # a cell's slice as the scan computes it, against a summary of the same slice
+            ref = summarize(stream.logits(piece), stream.final_norm(piece), stream.head_matrix())
+            head_slice = lambda: scanner.summarized_slice(piece, stream.logits, ref)  # noqa: E731
+            kl_factor = 1.0
+        else:  # the log-softmax comparison: about two more vocabulary-wide passes than the logits alone
+            head_slice = lambda: stream.logits(piece)  # noqa: E731
+            kl_factor = 1.5
+        head_slice()
         sync()
         t = time.perf_counter()
-        stream.logits(hidden[:1, :scanner.positions])
+        head_slice()
         sync()
         slice_seconds = time.perf_counter() - t
     slices = hidden.shape[0] * -(-hidden.shape[1] // scanner.positions)
-    # The KL of a slice costs about two more vocabulary-wide passes than the logits alone.
-    head_forward = slice_seconds * slices * 1.5
+    head_forward = slice_seconds * slices * kl_factor
     largest = max((t for t in source.groups()[group] if len(t.shape) >= 2), key=lambda t: t.numel)
     weight = source.read(largest.name)
     per_param = {}

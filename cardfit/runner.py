@@ -270,18 +270,34 @@ class StreamedModel:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and lm_head (the embedding when tied), in float32; written into `out` (float32,
         hidden's positions x vocab) when given, the same bits without a fresh (positions x vocab) tensor."""
-        with self.resident(NORM), self.resident(EMBED if self.tied else LM_HEAD, overrides):
-            normed = self.decoder.norm(hidden.to(self.device, torch.float32))
+        with self.resident(EMBED if self.tied else LM_HEAD, overrides):
+            normed = self.final_norm(hidden)
             if out is None or self.model.lm_head.bias is not None:
                 return self._soft_capped(self.model.lm_head(normed))
             return self._into(normed, self.model.lm_head.weight, out)
+
+    @torch.no_grad()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's input: the final norm of `hidden`, in float32 on the device."""
+        with self.resident(NORM):
+            return self.decoder.norm(hidden.to(self.device, torch.float32))
+
+    @property
+    def linear_head(self) -> bool:
+        """Whether the logits are W n + b in the final norm's output n (no soft-capping), the form
+        head_kl's reference summary needs."""
+        return not getattr(self.model.config, "final_logit_softcapping", None)
+
+    def head_matrix(self) -> torch.Tensor:
+        """The resident output matrix (the embedding when tied), float32 on the device."""
+        return self.model.lm_head.weight
 
     @torch.no_grad()
     def logits_with(self, hidden: torch.Tensor, head_weight: torch.Tensor, out: torch.Tensor | None = None
                     ) -> torch.Tensor:
         """Logits through a given head matrix, the final norm resident: lets a caller hold two heads
         (reference and quantized) at once instead of loading one per call. `out` as in logits."""
-        normed = self.decoder.norm(hidden.to(self.device, torch.float32))
+        normed = self.final_norm(hidden)
         weight = head_weight.to(self.device, torch.float32)
         if out is None:
             return self._soft_capped(torch.nn.functional.linear(normed, weight))

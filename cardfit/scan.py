@@ -3,20 +3,23 @@
 Damage of cell (g, f) = mean over calibration tokens of KL(P_ref || P_q), the next-token
 distributions of the unquantized model and of the model with only group g stored in
 format f (the format's real quantizer). The reference pass runs once on the engine and caches
-the input of every layer group and the reference's log-probabilities; then each group's formats
+the input of every layer group and, per position, what a cell's KL needs of the reference through its
+own head (head_kl.py: a hidden-wide row and a few numbers, not the vocabulary-wide log-probabilities,
+so they are never held whole); then each group's formats
 walk together as tracks from the group onward (engine.py), so every later layer and the head are
 read once per group sweep, not once per cell. The map is written atomically after every sweep;
 `resume` continues a partial map, and the result is the same bytes as an uninterrupted scan (no
-timings or paths that vary are stored in it), and the same bytes as the one-cell-at-a-time scan
-before the engine (float32 on the CPU).
+timings or paths that vary are stored in it).
 
 Cost model, L decoder layers, T calibration tokens, F formats: the reference pass is L
 layer-forwards and one head per token; a cell at layer i costs (L - i) layer-forwards and one head
 (the embedding cell L layer-forwards). Per format: L(L+1)/2 + L layer-forwards and L + 2 heads per
 token; layer reads per scan: L(L+1)/2 + L for the sweeps plus L per format for the embedding, whose
 quantized copies (the largest group) are held one at a time so the peak stays what one cell held.
-Without room for the reference (`--memory-cap`), each cell recomputes it from the cached final
-hidden state: one more head per cell. `estimate.py` prices these counts before a scan.
+A cell that replaces the head itself (the output matrix, or a tied embedding), and every cell of a
+model whose logits are soft-capped, recomputes the reference's logits from the cached final hidden
+state and compares log-probabilities: one more head per such cell. `estimate.py` prices these counts
+before a scan.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .atomic import write_json
 from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
 from .heap import map_large_blocks, return_freed_memory
+from .head_kl import ReferenceSlice, slice_kl, summarize
 from .metrics import DistanceMeter, kl_from_logprobs, target_nll
 from .schemas import KL_METRIC, MAP_VERSION, model_header
 from .groups import EMBED, LM_HEAD, NORM, GroupId, expert_stack
@@ -43,7 +47,7 @@ from .weight_signal import METRIC as WEIGHT_METRIC
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
 # Positions per logits slice: the head's matmul is (positions x hidden) by (hidden x vocab), and on 2 cores
 # it ran at 54 GFLOPS with 64 rows against 90-99 with 256 (152k vocabulary, docs/benchmarks.md); the slice's
-# three buffers are then 3 x 256 x vocab float32 (445 MiB at 152k), so under --memory-cap the slice stays 64.
+# buffer is then 256 x vocab float32 (148 MiB at 152k), so under --memory-cap the slice stays 64.
 LOGIT_POSITIONS = 256
 CAPPED_LOGIT_POSITIONS = 64
 
@@ -124,12 +128,10 @@ class Scanner:
         self.cache, self.rounding = cache, rounding
         self.batches = [chunks[i:i + batch] for i in range(0, len(chunks), batch)]
         self.layers = engine.layers
-        vocab = self.stream.model.config.vocab_size
-        self.keep_reference = cache.budget is None or chunks.numel() * vocab * 4 <= cache.budget
         self.positions = LOGIT_POSITIONS if cache.budget is None else CAPPED_LOGIT_POSITIONS  # per logits slice
-        # (batch, row, first position) -> the reference's log-probabilities and argmax, on the host
-        self.ref_logits: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._buffers: torch.Tensor | None = None  # _slice_buffers'
+        # (batch, row, first position) -> what a cell's KL needs of the reference there, on the host
+        self.summary: dict[tuple[int, int, int], ReferenceSlice] = {}
+        self._buffer: torch.Tensor | None = None  # _slice_buffer's
 
     @torch.no_grad()
     def reference(self) -> DistanceMeter:
@@ -148,14 +150,22 @@ class Scanner:
             for b, (ids, h) in enumerate(zip(self.batches, hidden)):
                 for r in range(h.shape[0]):
                     for start in range(0, h.shape[1], self.positions):
-                        logits = self.stream.logits(h[r:r + 1, start:start + self.positions])
-                        if self.keep_reference:  # what every cell compares against, computed once
-                            self.ref_logits[(b, r, start)] = (self._held(torch.log_softmax(logits, dim=-1)),
-                                                              self._held(logits.argmax(-1)))
+                        piece = h[r:r + 1, start:start + self.positions]
+                        logits = self.stream.logits(piece)
                         targets = ids[r:r + 1, start + 1:start + 1 + self.positions]
                         meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
                         meter.nll_tokens += targets.numel()
+                        if self.stream.linear_head:  # what every cell compares against, computed once
+                            ref = summarize(logits, self.stream.final_norm(piece), self.stream.head_matrix())
+                            self.summary[(b, r, start)] = ref.map(self._held)
         return meter
+
+    def heads_per_cell(self, group: Group) -> int:
+        """Head forwards a cell of `group` costs: its own, plus the reference's again where it cannot be
+        compared against the summary (it replaces the head, or the head is soft-capped)."""
+        head = EMBED if self.stream.tied else LM_HEAD
+        replaces_head = any(t.name in self.stream.group_tensors(head) for t in group.tensors)
+        return 1 if self.stream.linear_head and not replaces_head else 2
 
     def _held(self, tensor: torch.Tensor) -> torch.Tensor:
         """A reference tensor kept on the host; page-locked when the engine computes on CUDA, so every
@@ -238,39 +248,52 @@ class Scanner:
                 quantized = track.replacements(head).get(head_weight)
                 q_head = (self.stream.logits if quantized is None
                           else lambda x, out, w=quantized: self.stream.logits_with(x, w, out=out))
-                meters[track.key] = self._distances(track.hidden, self.stream.logits, q_head)
+                meters[track.key] = self._distances(track.hidden, self.stream.logits, q_head, quantized is None)
         return meters
 
-    def _slice_buffers(self, positions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Three (1 x positions x vocab) float32 views on the device, allocated once per scan: a cell's
-        logits and kl_from_logprobs' two temporaries, written in place slice after slice."""
-        if self._buffers is None:
-            vocab = self.stream.model.config.vocab_size
+    def _slice_buffer(self, views: int, positions: int) -> tuple[torch.Tensor, ...]:
+        """`views` (1 x positions x vocab) float32 views of one block on the device, allocated once per
+        scan and written in place slice after slice: a cell's logits (one view of `self.positions`), or
+        the log-softmax comparison's four (a quarter of the positions each, the same block)."""
+        vocab = self.stream.model.config.vocab_size
+        if self._buffer is None:
             longest = min(self.positions, self.chunks.shape[1])
-            self._buffers = torch.empty(3, 1, longest, vocab, device=self.engine.device)
-        return tuple(buffer[:, :positions] for buffer in self._buffers)
+            self._buffer = torch.empty(max(longest, 4) * vocab, device=self.engine.device)
+        return tuple(self._buffer[i * positions * vocab:(i + 1) * positions * vocab].view(1, positions, vocab)
+                     for i in range(views))
 
-    def _distances(self, hidden: list[torch.Tensor], ref_head, q_head) -> DistanceMeter:
-        """KL and top-1 per sequence, logits computed `positions` at a time into buffers kept for
-        the scan: the (slice x vocab) float32 tensors a cell needs, not whole sequences or batches."""
+    def summarized_slice(self, piece: torch.Tensor, q_head, ref: ReferenceSlice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KL per position, q's argmax) of one slice through the reference's own linear head, against
+        the reference's summary there; the logits are written into the scan's buffer."""
+        logits, = self._slice_buffer(1, piece.shape[1])
+        return slice_kl(q_head(piece, out=logits), self.stream.final_norm(piece), ref)
+
+    def _distances(self, hidden: list[torch.Tensor], ref_head, q_head, own_head: bool) -> DistanceMeter:
+        """KL and top-1 per sequence, logits computed a slice of positions at a time into the scan's
+        buffer: through the reference's own linear head against the reference's summary (head_kl.py),
+        else (`own_head` False: a quantized head; or a soft-capped one) against the reference's
+        log-probabilities recomputed from the cached final hidden states, a quarter slice at a time."""
         meter = DistanceMeter()
+        summarized = own_head and self.stream.linear_head
+        step = self.positions if summarized else max(1, min(self.positions, self.chunks.shape[1]) // 4)
         for b, h in enumerate(hidden):
-            final = None if self.keep_reference else self.cache.get(self.layers, b)
+            final = None if summarized else self.cache.get(self.layers, b)
             for r in range(h.shape[0]):
                 kl, agree = [], []
-                for start in range(0, h.shape[1], self.positions):
-                    end = start + self.positions
-                    piece = h[r:r + 1, start:end]
-                    logits, *scratch = self._slice_buffers(piece.shape[1])
+                for start in range(0, h.shape[1], step):
+                    piece = h[r:r + 1, start:start + step]
+                    if summarized:
+                        ref = self.summary[(b, r, start)].to(self.engine.device, non_blocking=True)
+                        cell_kl, top = self.summarized_slice(piece, q_head, ref)
+                        kl.append(cell_kl)
+                        agree.append(ref.argmax == top)
+                        continue
+                    logits, ref_logits, ref_logprobs, work = self._slice_buffer(4, piece.shape[1])
                     q = q_head(piece, out=logits)
-                    if self.keep_reference:
-                        ref_logprobs, ref_top = (t.to(q.device, non_blocking=True)
-                                                 for t in self.ref_logits[(b, r, start)])
-                    else:
-                        ref = ref_head(final[r:r + 1, start:end])
-                        ref_logprobs, ref_top = torch.log_softmax(ref, dim=-1), ref.argmax(-1)
-                    kl.append(kl_from_logprobs(ref_logprobs, q, scratch))
-                    agree.append(ref_top == q.argmax(-1))
+                    ref = ref_head(final[r:r + 1, start:start + step], out=ref_logits)
+                    agree.append(ref.argmax(-1) == q.argmax(-1))
+                    torch._log_softmax(ref, -1, False, out=ref_logprobs)
+                    kl.append(kl_from_logprobs(ref_logprobs, q, (ref, work)).double())
                 # one copy to the host per sequence: each copy waits for the device
                 meter.record(torch.cat(kl, -1).cpu(), torch.cat(agree, -1).cpu())
         return meter
@@ -462,7 +485,6 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     if ray is not None:
         from .cluster import scan_on_ray
 
-        keep_reference = scanner.keep_reference
         cache.close()
         engine.close()
         if torch.cuda.is_available():  # what the estimate held on this GPU goes back to the workers
@@ -473,7 +495,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                                groups=groups, todo=todo, result=result, out=out, fmts=fmts, chunks=chunks,
                                batch=batch, rounding=rounding, group_by=group_by, device=device, dtype=dtype,
                                gpu_memory=gpu_memory, memory_cap=memory_cap, limit=limit,
-                               keep_reference=keep_reference, bar=bar, log=log, estimate=guess)
+                               bar=bar, log=log, estimate=guess)
         finally:
             if bar:
                 bar.close()

@@ -1,0 +1,105 @@
+"""KL against the reference through a linear head, without the reference's log-probabilities.
+
+A cell's damage is KL(p ‖ q) per position, p the reference's output distribution and q the quantized
+model's. Where the head is linear in the final norm's output n (logits z = W n + b, no soft-capping) and
+the head itself is the reference's, log q_v = z'_v − lse(z') and Σ_v p_v z'_v = n'·(Σ_v p_v W_v) + p·b, so
+
+    KL = Σ_v p_v · (lse(z') − lse(z)) − (Σ_v p_v z'_v − Σ_v p_v z_v)
+
+needs from the reference only a few numbers per position, not a vocabulary-wide row: the scan keeps
+`ReferenceSlice`s (about hidden x 4 bytes a position where the log-probabilities took vocab x 4: 6 KB
+against 600 KB for a 1536-wide, 152k-vocabulary model), and a cell's head costs its logits' matmul, one
+max, one exp and one sum, with no reference row read.
+
+Two details keep it as exact as the log-softmax form. Σ_v p_v is the float32 probabilities' own sum
+(`mass`, 1 only within ~1e-6): taken as 1, a shift common to every logit, which no distribution sees,
+would read as damage. And Σ p z' is split: the reference's `TOP_TOKENS` most probable tokens take their
+logits from the cell's own float32 logits, the rest from the linear form (the "tail row"
+Σ_{v ∉ top} p_v W_v); from the linear form alone, an exact dot product would be set against lse's
+float32-rounded logits, ~1e-5 nats a position of the matmul's rounding that no longer cancels. Summed in
+float64, the cells of the real 0.5B land closer to a float64 ground truth than the log-softmax form's
+(docs/benchmarks.md; test_head_kl pins both details).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TOP_TOKENS = 32  # the reference's most probable tokens whose logits a cell reads back from its own
+
+
+@dataclass(frozen=True)
+class ReferenceSlice:
+    """What one slice of positions' KL needs from the reference (shapes (rows, positions, ...))."""
+
+    offset: torch.Tensor  # float64: mass · lse(z) − Σ_v p_v z_v, the bias term left out of both sides
+    mass: torch.Tensor  # float64: Σ_v p_v of the float32 probabilities (1 within ~1e-6, not exactly)
+    tail_row: torch.Tensor  # float32 (…, hidden): Σ_{v ∉ top} p_v W_v
+    top_ids: torch.Tensor  # int64 (…, TOP_TOKENS)
+    top_probs: torch.Tensor  # float64 (…, TOP_TOKENS)
+    argmax: torch.Tensor  # int64: the reference's top-1 token (first index of the maximum, as argmax)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.offset, self.mass, self.tail_row, self.top_ids, self.top_probs, self.argmax
+
+    def to(self, device, non_blocking: bool = False) -> "ReferenceSlice":
+        return ReferenceSlice(*(t.to(device, non_blocking=non_blocking) for t in self.tensors()))
+
+    def map(self, function) -> "ReferenceSlice":
+        return ReferenceSlice(*(function(t) for t in self.tensors()))
+
+
+def summary_bytes(hidden_size: int) -> int:
+    """Bytes of the reference's summary per position: ReferenceSlice's six tensors."""
+    return 8 + 8 + 4 * hidden_size + TOP_TOKENS * (8 + 8) + 8
+
+
+def log_partition(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse over the last dim in float64, argmax), computed in place: `logits` holds exp(z − max) after."""
+    peak, top = logits.max(-1)
+    logits.sub_(peak.unsqueeze(-1)).exp_()
+    return peak.double() + logits.sum(-1).double().log(), top
+
+
+def _expected_logit(logits: torch.Tensor, normed: torch.Tensor, tail_row, top_ids, top_probs) -> torch.Tensor:
+    """Σ_v p_v z_v less the bias term, in float64: the top tokens from `logits`, the tail by the linear form."""
+    tail = (normed.double() * tail_row.double()).sum(-1)
+    return tail + (top_probs * logits.gather(-1, top_ids).double()).sum(-1)
+
+
+def _over_vocabulary(probs: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """probs @ head_weight, a reduction over the vocabulary, which a threaded CPU matmul splits by its
+    thread count (other bits on 1 thread than on 2, unlike the logits' reduction over the hidden size): on
+    one thread, so every cell is the same bits whatever threads the process has (a Ray reference task and
+    a single-process scan must agree). It runs once per slice of the reference pass."""
+    if probs.device.type != "cpu":
+        return probs @ head_weight
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return probs @ head_weight
+    finally:
+        torch.set_num_threads(threads)
+
+
+def summarize(logits: torch.Tensor, normed: torch.Tensor, head_weight: torch.Tensor) -> ReferenceSlice:
+    """The reference's slice from its float32 logits (overwritten) and the head's input and matrix."""
+    probs = torch.softmax(logits, dim=-1)
+    mass = probs.sum(-1, dtype=torch.float64)
+    top_probs, top_ids = probs.topk(min(TOP_TOKENS, probs.shape[-1]), dim=-1)
+    probs.scatter_(-1, top_ids, 0.0)
+    tail_row = _over_vocabulary(probs.reshape(-1, probs.shape[-1]), head_weight).reshape(*probs.shape[:-1], -1)
+    top_probs = top_probs.double()
+    expected = _expected_logit(logits, normed, tail_row, top_ids, top_probs)
+    lse, argmax = log_partition(logits)
+    return ReferenceSlice(mass * lse - expected, mass, tail_row, top_ids, top_probs, argmax)
+
+
+def slice_kl(logits: torch.Tensor, normed: torch.Tensor, ref: ReferenceSlice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL(p ‖ q) per position in float64, clamped at 0; q's argmax) from a cell's float32 logits
+    (overwritten) through the reference's own head, and the head's input `normed`."""
+    expected = _expected_logit(logits, normed, ref.tail_row, ref.top_ids, ref.top_probs)
+    lse, top = log_partition(logits)
+    return (ref.mass * lse - expected - ref.offset).clamp_min(0), top
