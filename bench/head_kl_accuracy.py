@@ -55,7 +55,7 @@ def main() -> None:
                 kl = {"truth": (lp.exp() * (lp - lq)).sum(-1)}
                 del lp, lq
                 kl["before"] = kl_from_logprobs(torch.log_softmax(z_ref, -1), z_q).double()
-                kl["after"] = slice_kl(z_q.clone(), n_q, summarize(z_ref.clone(), n_ref, weight))[0]
+                kl["after"] = slice_kl(z_q.clone(), n_q, *summarize(z_ref.clone(), n_ref, weight))[0]
                 for name, values in kl.items():
                     sums[name] += float(values.sum())
                 for name in worst:

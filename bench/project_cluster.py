@@ -32,7 +32,7 @@ from cardfit.architecture import geometry_from_config
 from cardfit.estimate import estimate_scan, layer_flops
 from cardfit.formats import parse_formats
 from cardfit.groups import GroupId
-from cardfit.scan import copy_bytes, scan, scan_groups
+from cardfit.scan import LOGIT_POSITIONS, copy_bytes, scan, scan_groups
 from cardfit.sources.base import ModelSource, TensorInfo, group_of
 
 
@@ -76,9 +76,11 @@ def project(config: Path, formats: str, tokens: int, seq_len: int, batch: int, f
     chunks = torch.zeros(tokens // seq_len, seq_len, dtype=torch.long)
     batches = [chunks[i:i + batch] for i in range(0, len(chunks), batch)]
     layers = geometry.num_layers
-    engine = SimpleNamespace(layers=layers, dtype=torch.float32, device=torch.device("cuda"))
+    # layers streamed (none kept resident), as the projection in docs/benchmarks.md was priced; a linear head
+    engine = SimpleNamespace(layers=layers, dtype=torch.float32, device=torch.device("cuda"),
+                             stream=SimpleNamespace(keep_bytes=0, linear_head=True))
     scanner = SimpleNamespace(engine=engine, source=source, batches=batches, chunks=chunks, rounding="rtn",
-                              heads_per_cell=lambda group: 1)
+                              heads_per_cell=lambda group: 1, positions=LOGIT_POSITIONS)
     layer_params = sum(t.numel for t in source.groups()[GroupId.layer_group(0)] if len(t.shape) >= 2)
     batch_tokens = batch * seq_len
     layer_bytes = sum(t.nbytes for t in source.groups()[GroupId.layer_group(0)])

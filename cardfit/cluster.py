@@ -37,6 +37,7 @@ import torch
 from .atomic import write_json
 from .errors import CardfitError
 from .head_kl import ReferenceSlice, summary_bytes
+from .scan import TAIL_ROWS
 
 RETRIES = 3  # attempts after the first when the worker process of a task dies
 FORWARDED_ENV = ("CARDFIT_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -214,14 +215,17 @@ def _reference_task(job: ScanJob, threads: int, layers: int):
     try:
         meter = scanner.reference()
         points = [[scanner.cache.get(p, b) for b in range(len(scanner.batches))] for p in range(layers + 1)]
-        reference = [(key, *ref.tensors()) for key, ref in scanner.summary.items()]
+        reference = {"slices": [(key, *ref.tensors()) for key, ref in scanner.summary.items()],
+                     "tails": [scanner.cache.get(TAIL_ROWS, b) for b in range(len(scanner.batches))
+                               if scanner.stream.linear_head]}
         if job.shared_dir:  # safetensors, not the object store: any dtype, read by path on every node
             from safetensors.torch import save_file
 
             for p, arrays in enumerate(points):
                 save_file({str(b): a for b, a in enumerate(arrays)}, str(Path(job.shared_dir) / f"point-{p}.safetensors"))
-            flat = {f"{i}/{b}/{r}/{s}": tensor for (b, r, s), *tensors in reference
+            flat = {f"slice/{i}/{b}/{r}/{s}": tensor for (b, r, s), *tensors in reference["slices"]
                     for i, tensor in enumerate(tensors)}
+            flat.update({f"tail/{b}": tail for b, tail in enumerate(reference["tails"])})
             save_file(flat, str(Path(job.shared_dir) / "reference.safetensors"))
             points, reference = [None] * (layers + 1), None
         return (meter.perplexity, *points, reference)
@@ -243,9 +247,10 @@ def _worker_scanner(ray, job: ScanJob, reference_box: list):
             old.cache.close()
             old.engine.close()
         scanner = job.scanner()
-        for ref_key, *tensors in _reference(ray, job, reference_box[0]):
+        reference = _reference(ray, job, reference_box[0])
+        for ref_key, *tensors in reference["slices"]:
             scanner.summary[ref_key] = ReferenceSlice(*tensors)
-        _WORKER.update(key=key, scanner=scanner)
+        _WORKER.update(key=key, scanner=scanner, tails=reference["tails"])
     return _WORKER["scanner"]
 
 
@@ -258,6 +263,8 @@ def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], poin
     torch.set_num_threads(threads)
     scanner = _worker_scanner(ray, job, reference_box)
     scanner.cache = job.activation_cache()
+    for b, tail in enumerate(_WORKER["tails"]):
+        scanner.cache.put(TAIL_ROWS, b, tail)
     reads_before = scanner.engine.layer_loads()
     try:
         group = scan_groups(scanner.source, job.group_by)[index]
@@ -285,18 +292,24 @@ def _point(ray, job: ScanJob, p: int, refs: list) -> list[torch.Tensor]:
 
 
 def _reference(ray, job: ScanJob, ref) -> list:
-    """The reference's summary, [((batch, row, start), its tensors...)], from the object store or the
-    shared directory."""
+    """The reference's summary, {"slices": [((batch, row, start), its tensors...)], "tails": [a batch's tail
+    rows]}, from the object store or the shared directory."""
     if not job.shared_dir:
         return ray.get(ref)
     from safetensors.torch import load_file
 
     flat = load_file(str(Path(job.shared_dir) / "reference.safetensors"))
     parts: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+    tails: dict[int, torch.Tensor] = {}
     for name, tensor in flat.items():
-        i, b, r, s = (int(x) for x in name.split("/"))
-        parts.setdefault((b, r, s), {})[i] = tensor
-    return [(key, *(tensors[i] for i in sorted(tensors))) for key, tensors in parts.items()]
+        kind, *index = name.split("/")
+        if kind == "tail":
+            tails[int(index[0])] = tensor
+        else:
+            i, b, r, s = (int(x) for x in index)
+            parts.setdefault((b, r, s), {})[i] = tensor
+    return {"slices": [(key, *(tensors[i] for i in sorted(tensors))) for key, tensors in parts.items()],
+            "tails": [tails[b] for b in sorted(tails)]}
 
 
 # -- the coordinator ---------------------------------------------------------------------------------

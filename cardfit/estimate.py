@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .formats import Calibration
-from .head_kl import summarize, summary_bytes
+from .head_kl import SLICE_BYTES, summarize
 from .groups import GroupId
 
 
@@ -94,8 +94,9 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     layer_device_bytes = sum(t.numel for t in source.groups()[GroupId.layer_group(0)]) * \
         torch.empty((), dtype=engine.dtype).element_size()
     kept = min(layers, engine.stream.keep_bytes // max(1, layer_device_bytes))  # the first ones walked stay
+    linear = engine.stream.linear_head
     layer_forwards += layers * batches  # the reference
-    head_forwards += batches
+    head_forwards += batches * (2 if linear else 1)  # its logits, and its summary's tail rows (head_kl.py)
     layer_reads += layers
     reference_seconds = seconds_of(layer_forwards, head_forwards, layer_reads)
     group_seconds = []
@@ -130,7 +131,7 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     bytes_read = layer_reads * layer_bytes
     moved = bytes_read + layer_forwards * hidden_bytes * (2 if engine.device.type == "cuda" else 0)
     activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
-    reference = tokens * summary_bytes(geometry.hidden_size)
+    reference = tokens * (SLICE_BYTES + 4 * geometry.hidden_size) if linear else 0  # the summary, tail rows included
     # the reference pass's logits, probabilities and log-probabilities of one slice (a cell's buffer is one)
     head_buffers = 3 * scanner.positions * geometry.vocab_size * 4
     peak = (activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
@@ -167,8 +168,8 @@ def _unit_seconds(scanner, formats) -> dict:
     piece = hidden[:1, :scanner.positions]
     with engine.head():
         if stream.linear_head:  # a cell's slice as the scan computes it, against a summary of the same slice
-            ref = summarize(stream.logits(piece), stream.final_norm(piece), stream.head_matrix())
-            head_slice = lambda: scanner.summarized_slice(piece, stream.logits, ref)  # noqa: E731
+            ref, tail = summarize(stream.logits(piece), stream.final_norm(piece), stream.head_matrix())
+            head_slice = lambda: scanner.summarized_slice(piece, stream.logits, ref, tail)  # noqa: E731
             kl_factor = 1.0
         else:  # the log-softmax comparison: about two more vocabulary-wide passes than the logits alone
             head_slice = lambda: stream.logits(piece)  # noqa: E731

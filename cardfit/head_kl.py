@@ -23,6 +23,7 @@ float64, the cells of the real 0.5B land closer to a float64 ground truth than t
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,17 +33,17 @@ TOP_TOKENS = 32  # the reference's most probable tokens whose logits a cell read
 
 @dataclass(frozen=True)
 class ReferenceSlice:
-    """What one slice of positions' KL needs from the reference (shapes (rows, positions, ...))."""
+    """What one slice of positions' KL needs from the reference (shapes (rows, positions, ...)), less its
+    tail rows (hidden-wide: a scan caches those with its activations, under --memory-cap)."""
 
     offset: torch.Tensor  # float64: mass · lse(z) − Σ_v p_v z_v, the bias term left out of both sides
     mass: torch.Tensor  # float64: Σ_v p_v of the float32 probabilities (1 within ~1e-6, not exactly)
-    tail_row: torch.Tensor  # float32 (…, hidden): Σ_{v ∉ top} p_v W_v
     top_ids: torch.Tensor  # int64 (…, TOP_TOKENS)
     top_probs: torch.Tensor  # float64 (…, TOP_TOKENS)
     argmax: torch.Tensor  # int64: the reference's top-1 token (first index of the maximum, as argmax)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.offset, self.mass, self.tail_row, self.top_ids, self.top_probs, self.argmax
+        return self.offset, self.mass, self.top_ids, self.top_probs, self.argmax
 
     def to(self, device, non_blocking: bool = False) -> "ReferenceSlice":
         return ReferenceSlice(*(t.to(device, non_blocking=non_blocking) for t in self.tensors()))
@@ -51,9 +52,28 @@ class ReferenceSlice:
         return ReferenceSlice(*(function(t) for t in self.tensors()))
 
 
+SLICE_BYTES = 8 + 8 + TOP_TOKENS * (8 + 8) + 8  # a ReferenceSlice's bytes per position
+
+
 def summary_bytes(hidden_size: int) -> int:
-    """Bytes of the reference's summary per position: ReferenceSlice's six tensors."""
-    return 8 + 8 + 4 * hidden_size + TOP_TOKENS * (8 + 8) + 8
+    """Bytes of the reference's summary per position: a ReferenceSlice's and the float32 tail row."""
+    return SLICE_BYTES + 4 * hidden_size
+
+
+@contextmanager
+def one_thread(device: torch.device):
+    """Torch on one CPU thread for the duration (nothing changes on a GPU): for the reductions whose bits
+    depend on how many threads split them (a matmul over the vocabulary; one row's vocabulary-wide sum),
+    so a cell is the same bits whatever threads its process has (a Ray task's and a single process's)."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def log_partition(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,37 +89,29 @@ def _expected_logit(logits: torch.Tensor, normed: torch.Tensor, tail_row, top_id
     return tail + (top_probs * logits.gather(-1, top_ids).double()).sum(-1)
 
 
-def _over_vocabulary(probs: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
-    """probs @ head_weight, a reduction over the vocabulary, which a threaded CPU matmul splits by its
-    thread count (other bits on 1 thread than on 2, unlike the logits' reduction over the hidden size): on
-    one thread, so every cell is the same bits whatever threads the process has (a Ray reference task and
-    a single-process scan must agree). It runs once per slice of the reference pass."""
-    if probs.device.type != "cpu":
-        return probs @ head_weight
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return probs @ head_weight
-    finally:
-        torch.set_num_threads(threads)
-
-
-def summarize(logits: torch.Tensor, normed: torch.Tensor, head_weight: torch.Tensor) -> ReferenceSlice:
-    """The reference's slice from its float32 logits (overwritten) and the head's input and matrix."""
+def summarize(logits: torch.Tensor, normed: torch.Tensor, head_weight: torch.Tensor
+              ) -> tuple[ReferenceSlice, torch.Tensor]:
+    """The reference's slice and its tail rows (float32, (…, hidden): Σ_{v ∉ top} p_v W_v) from its float32
+    logits (overwritten) and the head's input and matrix. The tail rows reduce over the vocabulary, which a
+    threaded CPU matmul splits by thread count (unlike the logits' reduction over the hidden size), so they
+    are made on one thread: once per slice of the reference pass."""
     probs = torch.softmax(logits, dim=-1)
     mass = probs.sum(-1, dtype=torch.float64)
     top_probs, top_ids = probs.topk(min(TOP_TOKENS, probs.shape[-1]), dim=-1)
     probs.scatter_(-1, top_ids, 0.0)
-    tail_row = _over_vocabulary(probs.reshape(-1, probs.shape[-1]), head_weight).reshape(*probs.shape[:-1], -1)
+    with one_thread(probs.device):
+        tail_row = (probs.reshape(-1, probs.shape[-1]) @ head_weight).reshape(*probs.shape[:-1], -1)
     top_probs = top_probs.double()
     expected = _expected_logit(logits, normed, tail_row, top_ids, top_probs)
     lse, argmax = log_partition(logits)
-    return ReferenceSlice(mass * lse - expected, mass, tail_row, top_ids, top_probs, argmax)
+    return ReferenceSlice(mass * lse - expected, mass, top_ids, top_probs, argmax), tail_row
 
 
-def slice_kl(logits: torch.Tensor, normed: torch.Tensor, ref: ReferenceSlice) -> tuple[torch.Tensor, torch.Tensor]:
+def slice_kl(logits: torch.Tensor, normed: torch.Tensor, ref: ReferenceSlice, tail_row: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(KL(p ‖ q) per position in float64, clamped at 0; q's argmax) from a cell's float32 logits
-    (overwritten) through the reference's own head, and the head's input `normed`."""
-    expected = _expected_logit(logits, normed, ref.tail_row, ref.top_ids, ref.top_probs)
+    (overwritten) through the reference's own head, the head's input `normed`, and the reference's slice
+    and tail rows there."""
+    expected = _expected_logit(logits, normed, tail_row, ref.top_ids, ref.top_probs)
     lse, top = log_partition(logits)
     return (ref.mass * lse - expected - ref.offset).clamp_min(0), top

@@ -299,8 +299,9 @@ class StreamedModel:
         (reference and quantized) at once instead of loading one per call. `out` as in logits."""
         normed = self.final_norm(hidden)
         weight = head_weight.to(self.device, torch.float32)
-        if out is None:
-            return self._soft_capped(torch.nn.functional.linear(normed, weight))
+        bias = self.model.lm_head.bias  # a head's bias is not quantized: the quantized head keeps it
+        if out is None or bias is not None:
+            return self._soft_capped(torch.nn.functional.linear(normed, weight, bias))
         return self._into(normed, weight, out)
 
     def _into(self, normed: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

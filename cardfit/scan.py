@@ -24,6 +24,7 @@ before a scan.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from .atomic import write_json
 from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
 from .heap import map_large_blocks, return_freed_memory
-from .head_kl import ReferenceSlice, slice_kl, summarize
+from .head_kl import ReferenceSlice, one_thread, slice_kl, summarize
 from .metrics import DistanceMeter, kl_from_logprobs, target_nll
 from .schemas import KL_METRIC, MAP_VERSION, model_header
 from .groups import EMBED, LM_HEAD, NORM, GroupId, expert_stack
@@ -50,6 +51,7 @@ ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
 # buffer is then 256 x vocab float32 (148 MiB at 152k), so under --memory-cap the slice stays 64.
 LOGIT_POSITIONS = 256
 CAPPED_LOGIT_POSITIONS = 64
+TAIL_ROWS = "tail"  # the activation cache's key for the reference's tail rows (head_kl.py), beside points 0..L
 
 
 @dataclass
@@ -148,17 +150,27 @@ class Scanner:
             self.cache.put(self.layers, b, h)
         with self.engine.head():
             for b, (ids, h) in enumerate(zip(self.batches, hidden)):
+                tails = torch.empty(h.shape) if self.stream.linear_head else None
                 for r in range(h.shape[0]):
                     for start in range(0, h.shape[1], self.positions):
                         piece = h[r:r + 1, start:start + self.positions]
-                        logits = self.stream.logits(piece)
-                        targets = ids[r:r + 1, start + 1:start + 1 + self.positions]
-                        meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
-                        meter.nll_tokens += targets.numel()
-                        if self.stream.linear_head:  # what every cell compares against, computed once
-                            ref = summarize(logits, self.stream.final_norm(piece), self.stream.head_matrix())
-                            self.summary[(b, r, start)] = ref.map(self._held)
+                        with self._row_reductions(piece.shape[1]):
+                            logits = self.stream.logits(piece)
+                            targets = ids[r:r + 1, start + 1:start + 1 + self.positions]
+                            meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
+                            meter.nll_tokens += targets.numel()
+                            if self.stream.linear_head:  # what every cell compares against, computed once
+                                ref, tail = summarize(logits, self.stream.final_norm(piece), self.stream.head_matrix())
+                                self.summary[(b, r, start)] = ref.map(self._held)
+                                tails[r:r + 1, start:start + self.positions] = tail
+                if self.stream.linear_head:
+                    self.cache.put(TAIL_ROWS, b, tails)
         return meter
+
+    def _row_reductions(self, positions: int):
+        """One thread for a one-position slice: torch splits a lone row's vocabulary-wide sum across its
+        threads (other bits on 1 and 2), where it hands each thread whole rows otherwise."""
+        return one_thread(self.engine.device) if positions == 1 else contextlib.nullcontext()
 
     def heads_per_cell(self, group: Group) -> int:
         """Head forwards a cell of `group` costs: its own, plus the reference's again where it cannot be
@@ -262,11 +274,12 @@ class Scanner:
         return tuple(self._buffer[i * positions * vocab:(i + 1) * positions * vocab].view(1, positions, vocab)
                      for i in range(views))
 
-    def summarized_slice(self, piece: torch.Tensor, q_head, ref: ReferenceSlice) -> tuple[torch.Tensor, torch.Tensor]:
+    def summarized_slice(self, piece: torch.Tensor, q_head, ref: ReferenceSlice, tail_rows: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(KL per position, q's argmax) of one slice through the reference's own linear head, against
         the reference's summary there; the logits are written into the scan's buffer."""
         logits, = self._slice_buffer(1, piece.shape[1])
-        return slice_kl(q_head(piece, out=logits), self.stream.final_norm(piece), ref)
+        return slice_kl(q_head(piece, out=logits), self.stream.final_norm(piece), ref, tail_rows)
 
     def _distances(self, hidden: list[torch.Tensor], ref_head, q_head, own_head: bool) -> DistanceMeter:
         """KL and top-1 per sequence, logits computed a slice of positions at a time into the scan's
@@ -278,22 +291,25 @@ class Scanner:
         step = self.positions if summarized else max(1, min(self.positions, self.chunks.shape[1]) // 4)
         for b, h in enumerate(hidden):
             final = None if summarized else self.cache.get(self.layers, b)
+            tails = self.cache.get(TAIL_ROWS, b) if summarized else None
             for r in range(h.shape[0]):
                 kl, agree = [], []
                 for start in range(0, h.shape[1], step):
                     piece = h[r:r + 1, start:start + step]
-                    if summarized:
-                        ref = self.summary[(b, r, start)].to(self.engine.device, non_blocking=True)
-                        cell_kl, top = self.summarized_slice(piece, q_head, ref)
-                        kl.append(cell_kl)
-                        agree.append(ref.argmax == top)
-                        continue
-                    logits, ref_logits, ref_logprobs, work = self._slice_buffer(4, piece.shape[1])
-                    q = q_head(piece, out=logits)
-                    ref = ref_head(final[r:r + 1, start:start + step], out=ref_logits)
-                    agree.append(ref.argmax(-1) == q.argmax(-1))
-                    torch._log_softmax(ref, -1, False, out=ref_logprobs)
-                    kl.append(kl_from_logprobs(ref_logprobs, q, (ref, work)).double())
+                    with self._row_reductions(piece.shape[1]):
+                        if summarized:
+                            ref = self.summary[(b, r, start)].to(self.engine.device, non_blocking=True)
+                            tail = tails[r:r + 1, start:start + step].to(self.engine.device, non_blocking=True)
+                            cell_kl, top = self.summarized_slice(piece, q_head, ref, tail)
+                            kl.append(cell_kl)
+                            agree.append(ref.argmax == top)
+                            continue
+                        logits, ref_logits, ref_logprobs, work = self._slice_buffer(4, piece.shape[1])
+                        q = q_head(piece, out=logits)
+                        ref = ref_head(final[r:r + 1, start:start + step], out=ref_logits)
+                        agree.append(ref.argmax(-1) == q.argmax(-1))
+                        torch._log_softmax(ref, -1, False, out=ref_logprobs)
+                        kl.append(kl_from_logprobs(ref_logprobs, q, (ref, work)).double())
                 # one copy to the host per sequence: each copy waits for the device
                 meter.record(torch.cat(kl, -1).cpu(), torch.cat(agree, -1).cpu())
         return meter

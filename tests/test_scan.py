@@ -114,6 +114,7 @@ def test_activations_spill_to_disk_under_a_memory_cap(tiny_models, tmp_path, mon
     assert not spilled
     run_scan(tiny_models["qwen2"], text, tmp_path / "b.json", memory_cap=64 * 1024)
     assert spilled  # the cap sent hidden states to disk, and the map is the same bytes
+    assert any(point == "tail" for point, _ in spilled)  # the reference's tail rows too (head_kl.py)
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
     assert not any(p.name.startswith("cardfit-acts-") for p in tmp_path.iterdir())  # spill dir cleaned
 
