@@ -175,9 +175,14 @@ class Scanner:
     def heads_per_cell(self, group: Group) -> int:
         """Head forwards a cell of `group` costs: its own, plus the reference's again where it cannot be
         compared against the summary (it replaces the head, or the head is soft-capped)."""
-        head = EMBED if self.stream.tied else LM_HEAD
-        replaces_head = any(t.name in self.stream.group_tensors(head) for t in group.tensors)
+        replaces_head = any(t.name == self._head_weight()[1] for t in group.tensors)
         return 1 if self.stream.linear_head and not replaces_head else 2
+
+    def _head_weight(self) -> tuple[str, str]:
+        """(the head's group, its output matrix's name): the embedding's when tied. A cell replacing that
+        matrix is the one head_distances compares against recomputed log-probabilities."""
+        head = EMBED if self.stream.tied else LM_HEAD
+        return head, next(n for n in self.stream.group_tensors(head) if n.endswith("weight"))
 
     def _held(self, tensor: torch.Tensor) -> torch.Tensor:
         """A reference tensor kept on the host; page-locked when the engine computes on CUDA, so every
@@ -252,8 +257,7 @@ class Scanner:
     def head_distances(self, tracks: list[Track]) -> dict[object, DistanceMeter]:
         """Each track's final hidden states through the head (its own quantized head when it replaces
         it) against the reference; the reference head is resident once for all tracks."""
-        head = EMBED if self.stream.tied else LM_HEAD
-        head_weight = next(n for n in self.stream.group_tensors(head) if n.endswith("weight"))
+        head, head_weight = self._head_weight()
         meters = {}
         with self.engine.head():
             for track in tracks:
