@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .formats import Calibration
-from .head_kl import SLICE_BYTES, summarize
+from .head_kl import summarize, summary_bytes
 from .groups import GroupId
 
 
@@ -131,7 +131,7 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     bytes_read = layer_reads * layer_bytes
     moved = bytes_read + layer_forwards * hidden_bytes * (2 if engine.device.type == "cuda" else 0)
     activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
-    reference = tokens * (SLICE_BYTES + 4 * geometry.hidden_size) if linear else 0  # the summary, tail rows included
+    reference = tokens * summary_bytes(geometry.hidden_size) if linear else 0  # the summary, tail rows included
     # the reference pass's logits, probabilities and log-probabilities of one slice (a cell's buffer is one)
     head_buffers = 3 * scanner.positions * geometry.vocab_size * 4
     peak = (activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
@@ -167,8 +167,9 @@ def _unit_seconds(scanner, formats) -> dict:
     piece = torch.randn(hidden[:1, :scanner.positions].shape, generator=generator).to(hidden.device, hidden.dtype)
     with engine.head():
         if stream.linear_head:  # a cell's slice as the scan computes it, against a summary of the same slice
-            ref, tail = summarize(stream.logits(piece), stream.final_norm(piece), stream.head_matrix())
-            head_slice = lambda: scanner.summarized_slice(piece, stream.logits, ref, tail)  # noqa: E731
+            normed = stream.final_norm(piece)
+            ref, tail = summarize(stream.head_logits(normed), normed, stream.head_matrix())
+            head_slice = lambda: scanner.summarized_slice(piece, ref, tail)  # noqa: E731
             kl_factor = 1.0
         else:  # the log-softmax comparison: about two more vocabulary-wide passes than the logits alone
             head_slice = lambda: stream.logits(piece)  # noqa: E731

@@ -271,10 +271,15 @@ class StreamedModel:
         """Final norm and lm_head (the embedding when tied), in float32; written into `out` (float32,
         hidden's positions x vocab) when given, the same bits without a fresh (positions x vocab) tensor."""
         with self.resident(EMBED if self.tied else LM_HEAD, overrides):
-            normed = self.final_norm(hidden)
-            if out is None or self.model.lm_head.bias is not None:
-                return self._soft_capped(self.model.lm_head(normed))
-            return self._into(normed, self.model.lm_head.weight, out)
+            return self.head_logits(self.final_norm(hidden), out)
+
+    @torch.no_grad()
+    def head_logits(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The resident head (engine.head()) on the final norm's output, for a caller that needs that output
+        too (head_kl's summary and cells) and so computes it once; `out` as in logits."""
+        if out is None or self.model.lm_head.bias is not None:
+            return self._soft_capped(self.model.lm_head(normed))
+        return self._into(normed, self.model.lm_head.weight, out)
 
     @torch.no_grad()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

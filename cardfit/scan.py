@@ -155,12 +155,13 @@ class Scanner:
                     for start in range(0, h.shape[1], self.positions):
                         piece = h[r:r + 1, start:start + self.positions]
                         with self._row_reductions(piece.shape[1]):
-                            logits = self.stream.logits(piece)
+                            normed = self.stream.final_norm(piece)
+                            logits = self.stream.head_logits(normed)
                             targets = ids[r:r + 1, start + 1:start + 1 + self.positions]
                             meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
                             meter.nll_tokens += targets.numel()
                             if self.stream.linear_head:  # what every cell compares against, computed once
-                                ref, tail = summarize(logits, self.stream.final_norm(piece), self.stream.head_matrix())
+                                ref, tail = summarize(logits, normed, self.stream.head_matrix())
                                 self.summary[(b, r, start)] = ref.map(self._held)
                                 tails[r:r + 1, start:start + self.positions] = tail
                 if self.stream.linear_head:
@@ -278,12 +279,13 @@ class Scanner:
         return tuple(self._buffer[i * positions * vocab:(i + 1) * positions * vocab].view(1, positions, vocab)
                      for i in range(views))
 
-    def summarized_slice(self, piece: torch.Tensor, q_head, ref: ReferenceSlice, tail_rows: torch.Tensor
+    def summarized_slice(self, piece: torch.Tensor, ref: ReferenceSlice, tail_rows: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """(KL per position, q's argmax) of one slice through the reference's own linear head, against
         the reference's summary there; the logits are written into the scan's buffer."""
         logits, = self._slice_buffer(1, piece.shape[1])
-        return slice_kl(q_head(piece, out=logits), self.stream.final_norm(piece), ref, tail_rows)
+        normed = self.stream.final_norm(piece)
+        return slice_kl(self.stream.head_logits(normed, out=logits), normed, ref, tail_rows)
 
     def _distances(self, hidden: list[torch.Tensor], ref_head, q_head, own_head: bool) -> DistanceMeter:
         """KL and top-1 per sequence, logits computed a slice of positions at a time into the scan's
@@ -304,7 +306,7 @@ class Scanner:
                         if summarized:
                             ref = self.summary[(b, r, start)].to(self.engine.device, non_blocking=True)
                             tail = tails[r:r + 1, start:start + step].to(self.engine.device, non_blocking=True)
-                            cell_kl, top = self.summarized_slice(piece, q_head, ref, tail)
+                            cell_kl, top = self.summarized_slice(piece, ref, tail)
                             kl.append(cell_kl)
                             agree.append(ref.argmax == top)
                             continue
