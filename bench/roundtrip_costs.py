@@ -1,6 +1,7 @@
-"""What the cheap signal's pricing costs per ggml type: every matrix of a model round-tripped once per distinct
-rounding (`Format.rounding_key`, as fisher_cells and a sweep round), RTN, on the cores this process may use, the
-seconds summed per storage type (over threads where small matrices run their formats side by side).
+"""What the cheap signal's pricing costs per ggml type, whole: every matrix of a model round-tripped once per
+distinct rounding (`Format.rounding_key`, as a sweep rounds), RTN, on the cores this process may use, the seconds
+summed per storage type (over threads where small matrices run their formats side by side). fisher_cells prices
+the i-quants of large matrices from a sample of blocks instead (bench/sampled_pricing.py).
 
     python bench/roundtrip_costs.py --model qwen2.5-coder-0.5b --formats Q8_0,Q6_K,Q5_K,Q5_1,Q5_0,Q4_K,Q4_1,Q4_0,IQ4_XS,Q3_K,Q2_K
 """

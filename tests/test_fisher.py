@@ -111,3 +111,83 @@ def test_formats_that_round_a_tensor_alike_round_it_once(tiny_model, tmp_path, m
     layer_calls = [name for _, name in calls if ".layers." in name]  # the exact scan sweeps the embedding and
     # the head a format at a time (the largest copies are held one at a time), so only layers share
     assert len(layer_calls) == 3 * len(set(layer_calls)) > 0  # Q5_0, Q4_0, Q8_0 storage: 3 round trips, not 6
+
+
+def _heavy_matrix(rows, columns, seed=0):
+    """A weight with a few outlier columns and a Fisher with heavy tails, as real layers have."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, columns, generator=g) * 0.02
+    weight[:, ::97] *= 8
+    fisher = torch.rand(rows, columns, generator=g) ** 6 * torch.rand(1, columns, generator=g) ** 2
+    return weight, fisher
+
+
+@pytest.mark.parametrize("storage", ["IQ4_NL", "IQ4_XS"])
+def test_a_block_cut_from_its_matrix_rounds_as_inside_it(storage):
+    """The premise of pricing from a sample of blocks: without an importance matrix ggml rounds each of a
+    type's blocks apart from its neighbours, so blocks cut out come back the same bits."""
+    from cardfit.formats.gguf_formats import GGML_BLOCKS, ggml_roundtrip
+
+    unit = GGML_BLOCKS[storage][0]
+    weight, _ = _heavy_matrix(64, 1024)
+    whole = ggml_roundtrip(storage, weight).reshape(-1, unit)
+    picked = torch.tensor([0, 5, 6, 77, 130, 255])
+    assert torch.equal(ggml_roundtrip(storage, weight.reshape(-1, unit)[picked]), whole[picked])
+
+
+def test_a_sample_of_every_block_is_the_whole_price(monkeypatch):
+    """Drawing every block (certain inclusion) gives the whole round trip's price; the sampled path is the
+    one taken (the floor lowered so this matrix is sampled)."""
+    from cardfit import fisher as fisher_module
+    from cardfit.fisher import predicted_kl, sampled_kl
+    from cardfit.formats.gguf_formats import ggml_roundtrip
+
+    weight, fisher = _heavy_matrix(256, 1024)
+    monkeypatch.setattr(fisher_module, "SAMPLE_SHARE", 1)
+    whole = predicted_kl(fisher, weight, ggml_roundtrip("IQ4_NL", weight))
+    assert sampled_kl(fisher, weight, "IQ4_NL") == pytest.approx(whole, rel=1e-5)
+
+
+@pytest.mark.parametrize("storage", ["IQ4_NL", "IQ4_XS"])
+def test_a_sixteenth_of_the_blocks_prices_the_matrix_within_a_few_percent(storage, monkeypatch):
+    """On a matrix with outlier columns and a heavy-tailed Fisher, one block in sixteen, drawn where its
+    error is expected and weighted by the inverse of its chance, prices the whole within 5 % under several
+    draws (an unweighted sum would be a sixteenth of it)."""
+    from cardfit import fisher as fisher_module
+    from cardfit.fisher import predicted_kl, sampled_kl
+    from cardfit.formats.gguf_formats import ggml_roundtrip
+
+    weight, fisher = _heavy_matrix(1024, 2048)
+    monkeypatch.setattr(fisher_module, "SAMPLE_FLOOR", 1 << 14)  # so 1/16 of this matrix is what is drawn
+    whole = predicted_kl(fisher, weight, ggml_roundtrip(storage, weight))
+    estimates = [sampled_kl(fisher, weight, storage, seed=seed) for seed in range(4)]
+    assert all(abs(e / whole - 1) < 0.05 for e in estimates), (whole, estimates)
+    assert len(set(estimates)) == 4  # the seeds draw differently; one seed is one map
+
+
+def test_the_cheap_signal_samples_only_large_i_quant_matrices():
+    from cardfit.fisher import SAMPLE_FLOOR, sampled
+
+    assert sampled("IQ4_XS", 2 * SAMPLE_FLOOR) and sampled("IQ4_NL", 10 * SAMPLE_FLOOR)
+    assert not sampled("IQ4_NL", 2 * SAMPLE_FLOOR - 1) and not sampled("Q4_K", 100 * SAMPLE_FLOOR)
+
+
+def test_the_fast_scan_prices_large_i_quant_matrices_from_a_sample(tiny_model, tmp_path, monkeypatch):
+    """With the floor lowered below the tiny model's matrices, the fast scan's IQ4_NL cells come from
+    sampled_kl (each of its matrices once) and stay within a few percent of the whole round trips' cells;
+    its other formats' cells are the same bits."""
+    from cardfit import fisher as fisher_module
+    from cardfit.scan import scan
+
+    model_dir, text = tiny_model("llama"), small_text(tmp_path)
+    common = dict(max_tokens=128, formats="Q8_0,IQ4_NL,Q4_0", seq_len=32, progress=False, device="cpu", method="fast")
+    whole = scan(model_dir, text, out=tmp_path / "whole.json", **common)
+    calls = []
+    sampled_kl = fisher_module.sampled_kl
+    monkeypatch.setattr(fisher_module, "SAMPLE_FLOOR", 1 << 11)  # the 64x64 ones: half their blocks
+    monkeypatch.setattr(fisher_module, "sampled_kl", lambda *a, **k: calls.append(a[2]) or sampled_kl(*a, **k))
+    drawn = scan(model_dir, text, out=tmp_path / "drawn.json", **common)
+    assert calls and set(calls) == {"IQ4_NL"}
+    for w, d in zip(whole["groups"], drawn["groups"]):
+        assert w["cells"]["Q8_0"] == d["cells"]["Q8_0"] and w["cells"]["Q4_0"] == d["cells"]["Q4_0"]
+        assert d["cells"]["IQ4_NL"]["damage"] == pytest.approx(w["cells"]["IQ4_NL"]["damage"], rel=0.1), w["name"]

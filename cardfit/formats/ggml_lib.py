@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CardfitError
-from .gguf_formats import GGML_BLOCKS, ggml_type
+from .gguf_formats import GGML_BLOCKS, SEARCHED_TYPES, ggml_type
 
 
 class _TypeTraits(ctypes.Structure):
@@ -39,6 +39,8 @@ _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_floa
 # 2 cores for a 8960x1536 Q4_K). Dequantizing stays one call: it takes milliseconds, and measured on
 # threads it was 10x slower. Below this many values a thread hand-off costs more than it saves.
 PARALLEL_MIN_VALUES = 1 << 20
+SEARCHED_MIN_VALUES = PARALLEL_MIN_VALUES >> 4  # an i-quant's rounding searches, 10-30x slower a value: a
+# block sample of a large matrix (fisher.sampled_kl) or a small projection is worth its rows' spread
 
 
 def _cores() -> int:
@@ -50,9 +52,10 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=_cores(), thread_name_prefix="ggml-rows")
 
 
-def _row_spans(nrows: int, n_per_row: int) -> list[tuple[int, int]]:
-    """(first row, rows) per worker: one span for small matrices, else one per core."""
-    workers = _cores() if nrows * n_per_row >= PARALLEL_MIN_VALUES else 1
+def _row_spans(nrows: int, n_per_row: int, least: int | None = None) -> list[tuple[int, int]]:
+    """(first row, rows) per worker: one span for matrices under `least` values (PARALLEL_MIN_VALUES), else
+    one per core."""
+    workers = _cores() if nrows * n_per_row >= (PARALLEL_MIN_VALUES if least is None else least) else 1
     step = -(-nrows // max(1, min(workers, nrows)))
     return [(first, min(step, nrows - first)) for first in range(0, nrows, step)] or [(0, 0)]
 
@@ -71,8 +74,8 @@ def over_items(work, items: list, values: int) -> list:
     return list(_item_pool().map(work, items))
 
 
-def _over_rows(work, nrows: int, n_per_row: int) -> list:
-    spans = _row_spans(nrows, n_per_row)
+def _over_rows(work, nrows: int, n_per_row: int, least: int | None = None) -> list:
+    spans = _row_spans(nrows, n_per_row, least)
     if len(spans) == 1:
         return [work(*spans[0])]
     return list(_pool().map(lambda span: work(*span), spans))
@@ -153,7 +156,8 @@ def quantize(type_name: str, rows: np.ndarray, imatrix: np.ndarray | None = None
     kind, chunk = ggml_type(type_name), ggml().ggml_quantize_chunk
     imat_data = None if imat is None else imat.ctypes.data
     written = sum(_over_rows(lambda first, rows: chunk(kind, src.ctypes.data, out.ctypes.data, first * n_per_row,
-                                                        rows, n_per_row, imat_data), nrows, n_per_row))
+                                                        rows, n_per_row, imat_data), nrows, n_per_row,
+                                SEARCHED_MIN_VALUES if type_name in SEARCHED_TYPES else None))
     if written != out.nbytes:
         raise RuntimeError(f"ggml wrote {written} bytes for {type_name}, expected {out.nbytes}")
     return out

@@ -21,6 +21,10 @@ GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4
 # IQ1_S (ggml_quantize_requires_imatrix). tests/test_formats.py checks both against the bundled llama.cpp.
 IMATRIX_TYPES = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 STORAGE_TYPES = ("F32",) + GGUF_TYPES  # what a tensor cardfit writes can be stored as (1-D tensors stay F32)
+# The i-quants: ggml rounds each block by a search (IQ4_NL and IQ4_XS try 16 scales per 32 values,
+# quantize_row_iq4_nl_impl; the lower ones a lattice of grid points), about 6 M values a second a core against
+# 50-200 M for the other types (bench/roundtrip_costs.py): the cheap signal prices them from a sample of blocks.
+SEARCHED_TYPES = tuple(name for name in GGUF_TYPES if name.startswith("IQ"))
 
 
 def _router_pattern():
@@ -142,14 +146,28 @@ class GgmlFormat(Format):
         return self._roundtrip(name, weight, calibration, method)
 
     def _roundtrip(self, name, weight, calibration, method) -> torch.Tensor:
-        from . import ggml_lib
-
         storage, raw = self.quantize(name, weight, calibration, method)
         if storage == "F32":
             return weight.detach().to(torch.float32).clone()
-        rows = numel(tuple(weight.shape)) // weight.shape[-1]
-        values = ggml_lib.dequantize(storage, raw, (rows, weight.shape[-1]))
-        return torch.from_numpy(values).reshape(weight.shape).to(weight.device)
+        return _dequantized(storage, raw, weight)
+
+
+def _dequantized(storage: str, raw: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    from . import ggml_lib
+
+    rows = numel(tuple(like.shape)) // like.shape[-1]
+    values = ggml_lib.dequantize(storage, raw, (rows, like.shape[-1]))
+    return torch.from_numpy(values).reshape(like.shape).to(like.device)
+
+
+def ggml_roundtrip(storage: str, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (n, row length) stored as the ggml type `storage` itself and read back, RTN: for a caller that
+    rounds blocks cut from a matrix (ggml rounds every block of a row apart from the others without an
+    importance matrix, so a block comes back as it would inside its matrix; tests/test_fisher.py)."""
+    from . import ggml_lib
+
+    flat = rows.detach().to("cpu", torch.float32).contiguous()
+    return _dequantized(storage, ggml_lib.quantize(storage, flat.numpy()), flat)
 
 
 def importance(name: str, storage: str, calibration: Calibration | None, columns: int) -> np.ndarray | None:
