@@ -214,12 +214,18 @@ class _Pass:
         return {n: f.mul_(self.scale).cpu() for n, f in fisher.items()}
 
 
-def predicted_kl(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.Tensor, rows: int = 4096) -> float:
-    """½ Σ F δw² in nats per token, a block of rows at a time (no full-size temporaries)."""
-    total = 0.0
+def _squared_errors(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.Tensor, rows: int):
+    """(F, δw²) a block of rows at a time, so no full-size temporary is made."""
     for start in range(0, original.shape[0], rows):
         delta = quantized[start:start + rows].to(torch.float32) - original[start:start + rows].to(torch.float32)
-        total += float(torch.dot(fisher[start:start + rows].reshape(-1), delta.square_().reshape(-1)))
+        yield fisher[start:start + rows], delta.square_()
+
+
+def predicted_kl(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.Tensor, rows: int = 4096) -> float:
+    """½ Σ F δw² in nats per token."""
+    total = 0.0
+    for f, squared in _squared_errors(fisher, original, quantized, rows):
+        total += float(torch.dot(f.reshape(-1), squared.reshape(-1)))
     return 0.5 * total
 
 
@@ -230,12 +236,9 @@ UNIFORM_SHARE = 0.1  # of the drawing spread evenly: no drawn block weighs over 
 
 def unit_prices(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.Tensor, unit: int,
                 rows: int = 4096) -> torch.Tensor:
-    """½ Σ F δw² of every `unit` consecutive values of a matrix (its ggml blocks), a block of rows at a time."""
-    parts = []
-    for start in range(0, original.shape[0], rows):
-        delta = quantized[start:start + rows].to(torch.float32) - original[start:start + rows].to(torch.float32)
-        parts.append((fisher[start:start + rows] * delta.square_()).reshape(-1, unit).sum(-1).double())
-    return 0.5 * torch.cat(parts)
+    """½ Σ F δw² of every `unit` consecutive values of a matrix (its ggml blocks)."""
+    return 0.5 * torch.cat([(f * squared).reshape(-1, unit).sum(-1).double()
+                            for f, squared in _squared_errors(fisher, original, quantized, rows)])
 
 
 def expected_prices(fisher: torch.Tensor, original: torch.Tensor, unit: int, rows: int = 4096) -> torch.Tensor:
