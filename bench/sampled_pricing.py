@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from cardfit.errors import CardfitError
 from cardfit.fisher import predicted_kl, sampled, sampled_kl, streamed_fisher, unit_prices
 from cardfit.formats import parse_formats
 from cardfit.formats.gguf_formats import GGML_BLOCKS, ggml_roundtrip
@@ -45,8 +46,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
+    if args.seeds < 1 or args.tokens < 1 or args.seq_len < 2:
+        parser.error("--seeds and --tokens must be at least 1, --seq-len at least 2")
+    try:
+        fmt = parse_formats(args.format)[0]
+        source = runnable(open_model(args.model))
+    except CardfitError as error:
+        parser.error(str(error))
+    if fmt.method_for("rtn") != "rtn":
+        parser.error(f"{args.format} rounds only with an importance matrix; the fast signal samples RTN roundings")
     map_large_blocks()
-    source = runnable(open_model(args.model))
     text, text_path = load_text(None)
     chunks = token_chunks(AutoTokenizer.from_pretrained(str(source.path)), text, args.seq_len, args.tokens,
                           source=str(text_path))
@@ -54,7 +63,6 @@ def main() -> None:
     start = time.perf_counter()
     streamed_fisher(source, chunks, fisher.update)
     print(f"Fisher pass: {time.perf_counter() - start:.1f} s")
-    fmt = parse_formats(args.format)[0]
     whole_s = sampled_s = 0.0
     errors: dict[str, list[float]] = collections.defaultdict(list)
     layers: dict[tuple, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
