@@ -33,8 +33,10 @@ def _finite_check(test, wanted: str):
 
 
 DEVICE_HELP = "auto (CUDA when torch sees it, else the CPU), cpu, cuda or cuda:N."
-DTYPE_HELP = ("Decoder layers' compute dtype: auto (float32), float32, bfloat16 (faster; adds ~2e-4..1e-3 nats "
-              "to every cell, so only for coarse low-bit scans).")
+DTYPE_HELP = ("Decoder layers' compute: auto (float32, with a scan's variants as the reference plus bfloat16 "
+              "products of their change where bfloat16 is fast: bfloat16-differences), float32, "
+              "bfloat16-differences, bfloat16 (whole layers; adds ~2e-4..1e-3 nats to every cell, so only for "
+              "coarse low-bit scans), float16.")
 
 
 def _dtype(value: str) -> str:

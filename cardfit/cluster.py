@@ -37,6 +37,7 @@ import torch
 from .atomic import write_json
 from .errors import CardfitError
 from .head_kl import ReferenceSlice, summary_bytes
+from .engine import DIFFERENCES
 from .scan import TAIL_ROWS
 
 RETRIES = 3  # attempts after the first when the worker process of a task dies
@@ -271,6 +272,8 @@ def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], poin
         layers = scanner.layers
         point = None if group.start < 0 else min(group.start, layers)
         wanted = sorted({layers} | ({point} if point is not None else set()))
+        if scanner.engine.compute == DIFFERENCES:  # the reference's input to every layer the sweep walks
+            wanted = list(range(point or 0, layers + 1))
         for p in wanted:
             for b, array in enumerate(_point(ray, job, p, point_refs)):
                 scanner.cache.put(p, b, array)

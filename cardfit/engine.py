@@ -7,9 +7,11 @@ every track through it (the track's replacements swapped in and back), so a swee
 a group reads each later layer once instead of F times, and the head once instead of F times.
 The engine counts every group read (`loads`); the scan reports them.
 
-Where the walk runs is the device policy of `resolve_device` and `resolve_dtype`: CUDA when torch
-sees it; decoder layers in float32 unless `--dtype bfloat16` is asked for (the embedding, final norm,
-head, log-softmax and KL sums are float32 always; resolve_dtype says why bf16 is not the default). Residency: on CUDA, layers stay on the device once read
+Where the walk runs is the device policy of `resolve_device`, `resolve_dtype` and `resolve_compute`:
+CUDA when torch sees it; decoder layers in float32 unless `--dtype bfloat16` is asked for (the embedding,
+final norm, head, log-softmax and KL sums are float32 always; resolve_dtype says why bf16 is not the
+default); where bfloat16 matmuls are fast, a scan's tracks run the layers after their own as the
+reference plus bfloat16 products of their change (difference.py), which keeps the float32 map's cells. Residency: on CUDA, layers stay on the device once read
 while they fit under `gpu_memory` (default: 90 % of what is free when the engine starts, less the
 head and a margin for activations), the next layer is read on a background thread while the current
 one computes; on the CPU layers stream (a resident float32 copy would multiply the RSS).
@@ -27,7 +29,9 @@ from .errors import CardfitError
 from .groups import EMBED, LM_HEAD, NORM, GroupId
 
 Overrides = Mapping[str, torch.Tensor]
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16-differences": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+DIFFERENCES = "bfloat16-differences"  # float32 layers; a scan's tracks as the reference plus bf16 products of their changes
 
 
 def resolve_device(requested: str = "auto") -> tuple[torch.device, str]:
@@ -53,10 +57,27 @@ def resolve_dtype(requested: str | torch.dtype | None) -> torch.dtype:
     opt-in for coarse, low-bit scans, on CUDA as on the CPU (docs/benchmarks.md, issue 18)."""
     if isinstance(requested, torch.dtype):
         return requested
+    return DTYPES[_dtype_key(requested)] or torch.float32
+
+
+def _dtype_key(requested: str | None) -> str:
     key = "auto" if requested is None else str(requested).strip().lower()
     if key not in DTYPES:
-        raise CardfitError(f"unknown --dtype '{requested}'", "use --dtype auto, float32, bfloat16 or float16")
-    return DTYPES[key] or torch.float32
+        raise CardfitError(f"unknown --dtype '{requested}'", "use --dtype " + ", ".join(DTYPES))
+    return key
+
+
+def resolve_compute(requested: str | torch.dtype | None, device: torch.device) -> str:
+    """What `--dtype` means on `device`, as a map records it: auto is bfloat16-differences where bfloat16
+    matmuls run fast (difference.fast_bfloat16), else float32; any other value is itself."""
+    from .difference import fast_bfloat16
+
+    if isinstance(requested, torch.dtype):
+        return str(requested).removeprefix("torch.")
+    key = _dtype_key(requested)
+    if key == "auto":
+        return DIFFERENCES if fast_bfloat16(device) else "float32"
+    return key
 
 
 def default_keep_bytes(device: torch.device, gpu_memory: int | None, source) -> int:
@@ -99,8 +120,14 @@ class Engine:
         self.device, self.device_reason = (resolve_device(device) if not isinstance(device, torch.device)
                                            else (device, f"computing on {device}"))
         self.dtype = resolve_dtype(dtype)
+        self.compute = resolve_compute(dtype, self.device)
+        self._refused: str | None = None if self.compute == DIFFERENCES else "not asked"  # why difference form is off
+        self._unsupported: dict[int, str] = {}  # layer -> why it cannot run in difference form
         if log:
-            log(f"{self.device_reason}, decoder layers in {str(self.dtype).removeprefix('torch.')}")
+            log(f"{self.device_reason}, decoder layers in {str(self.dtype).removeprefix('torch.')}"
+                + (", a scan's tracks as the reference plus bfloat16 products of their changes"
+                   if self.compute == DIFFERENCES else ""))
+        self.log = log
         keep = default_keep_bytes(self.device, gpu_memory, source)
         self.stream = StreamedModel(source, device=self.device, dtype=self.dtype, keep_bytes=keep,
                                     prefetch=self.device.type == "cuda")
@@ -136,9 +163,14 @@ class Engine:
 
     @torch.no_grad()
     def walk(self, tracks: list[Track], end: int | None = None,
-             before_layer: Callable[[int, list[Track]], None] | None = None) -> list[Track]:
+             before_layer: Callable[[int, list[Track]], None] | None = None,
+             reference: Callable[[int, int], torch.Tensor] | None = None) -> list[Track]:
         """Move every track from its start through layer `end - 1` (default: the last), each layer read
-        once for all tracks; `before_layer(i, active)` sees the tracks about to enter layer i."""
+        once for all tracks; `before_layer(i, active)` sees the tracks about to enter layer i.
+
+        `reference(i, b)` (a scan's cache: the reference's hidden states entering layer i, batch b, for i up
+        to the last layer's output) lets a bfloat16-differences engine run the tracks that replace nothing
+        in a layer as the reference plus their change (difference.py)."""
         end = self.layers if end is None else end
         first = min((t.start for t in tracks), default=end)
         for i in range(first, end):
@@ -149,12 +181,56 @@ class Engine:
             if before_layer:
                 before_layer(i, active)
             with self.stream.resident(group):
+                differing = []
                 for track in active:
-                    with self.stream.swapped(group, track.replacements(group)):
+                    overrides = track.replacements(group)
+                    replaces = any(name in overrides for name in self.stream.group_tensors(group))
+                    if not replaces and reference is not None and self._differs(i):
+                        differing.append(track)
+                        continue
+                    with self.stream.swapped(group, overrides):
                         track.hidden = [self.stream.run_layer(i, h) for h in track.hidden]
+                if differing:
+                    self._run_differences(i, differing, reference)
         for track in tracks:
             track.start = max(track.start, end)
         return tracks
+
+    def _differs(self, index: int) -> bool:
+        """Whether layer `index` runs tracks in difference form (and if a layer cannot, says why, once)."""
+        if self._refused is not None:
+            return False
+        if index not in self._unsupported:
+            from .difference import unsupported
+
+            why = unsupported(self.stream.layers[index]) or ""
+            if why and self.log and why not in self._unsupported.values():
+                self.log(f"{why}: such layers run whole in float32")
+            self._unsupported[index] = why
+        return not self._unsupported[index]
+
+    def _run_differences(self, index: int, tracks: list[Track], reference: Callable[[int, int], torch.Tensor]) -> None:
+        """Each batch's reference intermediates at layer `index` once, every track as them plus its change;
+        a reference pass that does not reproduce the layer's own output turns difference form off."""
+        from .difference import CHECK_TOLERANCE, DifferenceLayer
+
+        layer = DifferenceLayer(self.stream.layers[index])
+        for b in range(len(tracks[0].hidden)):
+            inputs = reference(index, b).to(self.device, self.dtype)
+            kwargs = self.stream.layer_kwargs(inputs.shape[0], inputs.shape[1])[index]
+            ref = layer.reference(inputs, kwargs)
+            expected = reference(index + 1, b).to(self.device, self.dtype)
+            miss = float((ref.out - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+            if not miss <= CHECK_TOLERANCE:
+                self._refused = f"layer {index}'s reference pass is {miss:.1e} off its own output"
+                if self.log:
+                    self.log(f"{self._refused}: tracks run whole in float32 from here")
+                for track in tracks:
+                    track.hidden[b:] = [self.stream.run_layer(index, h) for h in track.hidden[b:]]
+                return
+            for track in tracks:
+                track.hidden[b] = layer.forward(ref, track.hidden[b].to(self.device, self.dtype), kwargs)
+            del ref
 
     @torch.no_grad()
     def step(self, index: int, hidden: list[torch.Tensor], overrides: Overrides | None = None) -> list[torch.Tensor]:

@@ -70,12 +70,16 @@ def layer_flops(geometry, seq_len: int, layer_params: int) -> float:
 
 
 def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None = None,
-                  rounds_ahead: bool = False) -> ScanEstimate:
+                  rounds_ahead: bool = False, windows: bool = False) -> ScanEstimate:
     """Counts of the scan `todo` will run (scan.py's walk) priced by unit times measured now, or by
     given `units` (the same keys as _unit_seconds; bench/project_cluster.py prices other devices so).
     Layers the engine keeps resident are read once; with `rounds_ahead` (scan.RoundedAhead: the next
-    sweep's copies rounded on a host thread) a group costs the longer of its rounding and its sweeps."""
-    from .scan import copy_bytes, format_batches, measured_formats, pending_by_group
+    sweep's copies rounded on a host thread) a group costs the longer of its rounding and its sweeps.
+    In difference form (engine.DIFFERENCES) a track's layers after its own cost a difference forward
+    each, and every layer a walk passes one reference pass; `windows` (the single-process scan) walks the
+    layer groups in scan.walk_windows' rounds, each group alone otherwise (a Ray task's walk), as
+    `group_seconds` always prices them."""
+    from .scan import copy_bytes, format_batches, measured_formats, pending_by_group, walk_windows
 
     engine, source = scanner.engine, scanner.source
     layers = engine.layers
@@ -83,8 +87,11 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     chunk = scanner.batches[0]
     tokens = int(scanner.chunks.numel())
     geometry = source.geometry
-    units = dict(units) if units is not None else _unit_seconds(scanner, formats)
+    differs = _differs(engine)
+    units = dict(units) if units is not None else _unit_seconds(scanner, formats, differs)
     calibration_seconds = units.pop("_measured_in", 0.0)
+    track_forward = units.get("difference_forward", units["layer_forward"]) if differs else units["layer_forward"]
+    reference_pass = units.get("reference_pass", units["layer_forward"]) if differs else 0.0
 
     layer_forwards = head_forwards = layer_reads = quantizations = 0
 
@@ -115,12 +122,16 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
         if any(f.method_for(scanner.rounding) != "rtn" for f in measured) and 0 <= group.start < layers:
             forwards += batches
             reads += int(group.start >= kept)
+        walked = 0.0  # seconds of the tracks' layers beyond what seconds_of prices as plain forwards
         for sweep in format_batches(group, measured, limit):
             reads += layers - max(start, kept)
             forwards += (layers - start) * batches * len(sweep)
             heads += batches * len(sweep) * scanner.heads_per_cell(group)
+            if differs:  # its own layer plain (none for the embedding's), the rest in difference form
+                later = (layers - start - (0 <= group.start < layers)) * batches * len(sweep)
+                walked += later * (track_forward - units["layer_forward"]) + (layers - start) * batches * reference_pass
         layer_forwards, head_forwards, layer_reads = layer_forwards + forwards, head_forwards + heads, layer_reads + reads
-        device_part = seconds_of(forwards, heads, reads)
+        device_part = seconds_of(forwards, heads, reads) + walked
         group_seconds.append(max(device_part, quantizing) if rounds_ahead else device_part + quantizing)
     layer_params = _layer_params(source)
     head_params = geometry.vocab_size * geometry.hidden_size
@@ -137,8 +148,27 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     peak = (activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
             + head_buffers)
     seconds = reference_seconds + sum(group_seconds)
+    if differs and windows:  # the rounds' reference passes instead of each group's own
+        for together, window in walk_windows(scanner, groups, pending_by_group(todo)):
+            if together:
+                first = min(groups[i].start for i, _ in window)
+                sweeps = [(groups[i].start, len(format_batches(groups[i], measured_formats(groups[i], formats), limit)))
+                          for i, formats in window]
+                passes = sum((layers - start) * n for start, n in sweeps) - (layers - first)
+                reads = sum((layers - max(start, kept)) * n for start, n in sweeps) - (layers - max(first, kept))
+                seconds -= passes * batches * reference_pass + reads * units["layer_read"]
+                layer_reads -= reads
     return ScanEstimate(layer_forwards, head_forwards, layer_reads, quantizations, flops, bytes_read, moved, peak,
                         seconds, calibration_seconds, units, reference_seconds, group_seconds)
+
+
+def _differs(engine) -> bool:
+    """Whether the scan's tracks will run in difference form (as far as can be known before running: a
+    layer whose reference pass fails its check turns it off)."""
+    from .difference import unsupported
+    from .engine import DIFFERENCES
+
+    return getattr(engine, "compute", None) == DIFFERENCES and unsupported(engine.stream.layers[0]) is None
 
 
 def _layer_params(source) -> int:
@@ -146,9 +176,10 @@ def _layer_params(source) -> int:
 
 
 @torch.no_grad()
-def _unit_seconds(scanner, formats) -> dict:
+def _unit_seconds(scanner, formats, differs: bool = False) -> dict:
     """Seconds for one layer read, one layer forward over one batch, one head forward over one batch,
-    and each format's quantizer per parameter, measured on this device with the scan's own shapes."""
+    and each format's quantizer per parameter, measured on this device with the scan's own shapes; in
+    difference form also a layer's reference pass and a track's difference forward."""
     engine, stream, source = scanner.engine, scanner.stream, scanner.source
     began = time.perf_counter()
     group = GroupId.layer_group(0)
@@ -159,6 +190,17 @@ def _unit_seconds(scanner, formats) -> dict:
     read = time.perf_counter() - t
     hidden = engine.embed(scanner.batches[:1])[0]
     forward = _median_seconds(lambda: stream.run_layer(0, hidden), sync)
+    differences = {}
+    if differs:
+        from .difference import DifferenceLayer
+
+        form = DifferenceLayer(stream.layers[0])
+        kwargs = stream.layer_kwargs(hidden.shape[0], hidden.shape[1])[0]
+        ref = form.reference(hidden, kwargs)
+        moved = hidden * 1.001
+        differences = {"reference_pass": _median_seconds(lambda: form.reference(hidden, kwargs), sync),
+                       "difference_forward": _median_seconds(lambda: form.forward(ref, moved, kwargs), sync)}
+        del form, ref, moved
     stream.unload(group)
     # the head timed on a seeded random hidden state, which the final norm makes look like a last layer's to
     # the head (logits spread over tens of nats, as measured); the embedding's own rows through a tied head
@@ -187,7 +229,7 @@ def _unit_seconds(scanner, formats) -> dict:
         t = time.perf_counter()
         fmt.roundtrip(largest.name, weight, _synthetic_calibration(method, weight), method)
         per_param[fmt.name] = (time.perf_counter() - t) / weight.numel()
-    return {"layer_read": read, "layer_forward": forward, "head_forward": head_forward,
+    return {"layer_read": read, "layer_forward": forward, "head_forward": head_forward, **differences,
             "quantize_per_param": per_param, "_measured_in": time.perf_counter() - began}
 
 

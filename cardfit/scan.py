@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .activations import ActivationCache
-from .engine import Track, resolve_device, resolve_dtype
+from .engine import Track, resolve_compute, resolve_device, resolve_dtype
 from .atomic import write_json
 from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
@@ -99,7 +99,7 @@ SIGNALS = ("fast", "weight")  # what prices an adaptive scan's unmeasured cells
 
 
 def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Tensor, formats: list[Format],
-               group_by: str, rounding: str, method: str = "exact") -> dict:
+               group_by: str, rounding: str, method: str = "exact", compute: str = "float32") -> dict:
     runtimes = {f.runtime for f in formats}
     if len(runtimes) > 1:
         raise CardfitError("formats mix runtimes (" + ", ".join(sorted(runtimes)) + ")",
@@ -111,6 +111,7 @@ def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Te
                         "seq_len": int(chunks.shape[1]), "chunks": int(chunks.shape[0])},
         "damage": {"metric": WEIGHT_METRIC if method == "weight" else KL_METRIC, "method": METHODS[method]},
         "rounding": rounding,
+        "compute": compute,
         "group_by": group_by,
         "runtime": runtimes.pop(),
         "formats": [f.name for f in formats],
@@ -119,7 +120,7 @@ def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Te
 
 def _same_job(a: dict, b: dict) -> bool:
     keys = ("cardfit_map", "model", "calibration", "damage", "rounding", "group_by", "runtime", "formats")
-    return all(a.get(k) == b.get(k) for k in keys)
+    return all(a.get(k) == b.get(k) for k in keys) and a.get("compute", "float32") == b.get("compute", "float32")
 
 
 class Scanner:
@@ -251,7 +252,7 @@ class Scanner:
             point = min(group.start, self.layers)
             inputs = [self.cache.get(point, b) for b in range(len(self.batches))]
             tracks = [Track(list(inputs), point, overrides, key) for key, overrides in variants.items()]
-        self.engine.walk(tracks)
+        self.engine.walk(tracks, reference=self.cache.get)
         return self.head_distances(tracks)
 
     @torch.no_grad()
@@ -429,8 +430,8 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                            "e.g. --max-tokens 8192 --seq-len 512 --batch 4")
     if group_by not in ("layer", "tensor"):
         raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
-    resolve_device(device)
     resolve_dtype(dtype)
+    compute = resolve_compute(dtype, resolve_device(device)[0]) if method in ("exact", "adaptive") else "float32"
     fmts = parse_formats(formats)
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
@@ -438,7 +439,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     text, text_path = load_text(calibration)
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path))
-    header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method)
+    header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method, compute)
     out = Path(out)
     result = None
     if out.exists() and (resume or not estimate):
@@ -451,6 +452,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
             raise CardfitError(f"{out} was scanned for another model, text or settings",
                                "use a new --out, or the original model, calibration and formats")
         result = previous
+        result.setdefault("compute", header["compute"])  # a map begun before the key was float32
     groups = scan_groups(source, group_by)
     if result is None:
         result = dict(header)
@@ -488,7 +490,8 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
 
         try:
             guess = estimate_scan(scanner, groups, todo, limit, fmts,
-                                  rounds_ahead=ray is None and RoundedAhead.applies(scanner, fmts, memory_cap))
+                                  rounds_ahead=ray is None and RoundedAhead.applies(scanner, fmts, memory_cap),
+                                  windows=ray is None and not RoundedAhead.applies(scanner, fmts, memory_cap))
         finally:
             if estimate:
                 cache.close()
@@ -515,7 +518,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         try:
             return scan_on_ray(ray, workers, None if shared_dir is None else str(shared_dir), source=source,
                                groups=groups, todo=todo, result=result, out=out, fmts=fmts, chunks=chunks,
-                               batch=batch, rounding=rounding, group_by=group_by, device=device, dtype=dtype,
+                               batch=batch, rounding=rounding, group_by=group_by, device=device, dtype=compute,
                                gpu_memory=gpu_memory, memory_cap=memory_cap, limit=limit,
                                bar=bar, log=log, estimate=guess)
         finally:
@@ -532,18 +535,28 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
         ref = scanner.reference()
         return_freed_memory()
         result["reference"] = {"perplexity": round(ref.perplexity, 6)}
-        for i, pending in pending_by_group(todo).items():
-            entry = result["groups"][i]
-
-            def sweep_done(cells, entry=entry):
-                entry["cells"].update(cells)
-                write_json(out, result)
+        track_bytes = ROUND_TRACK_BYTES if memory_cap is None else memory_cap // 4
+        for together, window in walk_windows(scanner, groups, pending_by_group(todo), ahead is None):
+            measured = [None] * len(window)
+            if together:
                 if bar:
-                    bar.update(len(cells))
+                    bar.set_description(f"{groups[window[0][0]].name}..{groups[window[-1][0]].name}")
+                measured = measure_round(scanner, [(groups[i], pending) for i, pending in window], track_bytes)
+            for (i, pending), cells in zip(window, measured):
+                entry = result["groups"][i]
 
-            cells = measure_group(scanner, groups[i], pending, limit, sweep_done, bar, ahead)
-            sweeps += cells.sweeps
-            entry["cells"] = in_map_order(entry["cells"], fmts)
+                def sweep_done(cells, entry=entry):
+                    entry["cells"].update(cells)
+                    write_json(out, result)
+                    if bar:
+                        bar.update(len(cells))
+
+                if cells is None:
+                    cells = measure_group(scanner, groups[i], pending, limit, sweep_done, bar, ahead)
+                else:
+                    sweep_done(cells)
+                sweeps += cells.sweeps
+                entry["cells"] = in_map_order(entry["cells"], fmts)
     finally:
         if ahead:
             ahead.close()
@@ -554,6 +567,32 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     if log:
         log(f"read decoder layers {engine.layer_loads()} times ({engine.layers} layers, {sweeps} group sweeps)")
     return finish(result, out)
+
+
+WINDOWS = 4  # rounds a difference-form exact scan walks its decoder-layer groups in
+
+
+def walk_windows(scanner: Scanner, groups: list[Group], pending: dict[int, list[Format]], allowed: bool = True
+                 ) -> list[tuple[bool, list[tuple[int, list[Format]]]]]:
+    """How the exact scan walks its pending groups, as (together, [(group index, formats), ...]): each group
+    alone (measure_group, its map written after every sweep), unless the engine runs tracks in difference
+    form (engine.DIFFERENCES). Then every layer a walk passes costs one reference pass, shared by the
+    walk's tracks, and the decoder-layer groups walk together (measure_round) in WINDOWS rounds of
+    consecutive layers: about 2.5 L reference passes for the scan instead of L²/2, the map written
+    after each round."""
+    from .engine import DIFFERENCES
+
+    if not allowed or scanner.engine.compute != DIFFERENCES:
+        return [(False, [item]) for item in pending.items()]
+    span = -(-scanner.layers // WINDOWS)
+    out: list[tuple[bool, list]] = []
+    rounds: dict[int, list] = {}
+    for i, formats in pending.items():
+        if 0 <= groups[i].start < scanner.layers:
+            rounds.setdefault(groups[i].start // span, []).append((i, formats))
+        else:
+            out.append((False, [(i, formats)]))
+    return out + [(True, rounds[k]) for k in sorted(rounds)]
 
 
 def in_map_order(cells: dict, formats: list[Format]) -> dict:
@@ -736,7 +775,7 @@ def _walk_round(scanner: Scanner, cells: list[tuple[int, Group, list[Format]]]) 
                     made[need] = scanner.rounded(t, fmt, scanner.source.read(t.name), calibration)
         return {t.name: made[need] for t, need in zip(group.quantizable, needs[key])}
 
-    scanner.engine.walk(tracks, before_layer=enter)
+    scanner.engine.walk(tracks, before_layer=enter, reference=scanner.cache.get)
     made.clear()
     return scanner.head_distances(tracks)
 

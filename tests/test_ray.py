@@ -21,7 +21,9 @@ from cardfit.scan import scan
 RAY = str(Path(sys.executable).with_name("ray"))
 # Ray >= 2.5x turns on token authentication for `ray start` clusters; on loopback, off, for every process
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-JOB = dict(max_tokens=64, seq_len=64, formats="Q4_K,Q2_K")
+# float32: bit for bit whatever threads a task gets (bfloat16-differences re-rolls its rounding noise when a
+# task's thread count changes the float32 reference's last bits; the shared-dir test below checks that form)
+JOB = dict(max_tokens=64, seq_len=64, formats="Q4_K,Q2_K", dtype="float32")
 
 
 def _cli(*args, **kwargs):
@@ -31,7 +33,7 @@ def _cli(*args, **kwargs):
 
 def _job_args(out, *extra):
     return ["scan", "--max-tokens", str(JOB["max_tokens"]), "--seq-len", str(JOB["seq_len"]),
-            "--formats", JOB["formats"], "--out", str(out), *extra]
+            "--formats", JOB["formats"], "--dtype", JOB["dtype"], "--out", str(out), *extra]
 
 
 def _free_port() -> int:
@@ -161,7 +163,9 @@ def test_ray_refusals_are_one_line_before_any_work(tmp_path, ray_args, says):
 
 def test_local_cluster_and_shared_dir_give_the_same_map(tiny_model, tmp_path):
     """A local cluster started by the scan, boundary activations through a shared directory (which is
-    left empty), one worker: the same map as one process."""
+    left empty), one worker (with the process's threads): the same map as one process, in the default
+    compute (bfloat16-differences where the CPU has fast bfloat16: every later layer's reference input
+    goes to the worker)."""
     model = tiny_model("llama")
     job = dict(max_tokens=64, seq_len=32, batch=1, formats="Q4_K,Q2_K", progress=False)
     single = tmp_path / "single.json"
