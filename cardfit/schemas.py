@@ -108,6 +108,7 @@ class SensitivityMap(_Record):
     calibration: CalibrationHeader
     damage: DamageHeader
     rounding: Literal["rtn", "imatrix", "gptq", "awq"]
+    compute: Literal["float32", "bfloat16-differences", "bfloat16", "float16"] = "float32"  # engine.DTYPES less auto
     group_by: Literal["layer", "tensor"]
     runtime: StrictStr
     formats: Annotated[list[Name], Field(min_length=1, max_length=256)]

@@ -147,3 +147,13 @@ def test_a_map_is_resumed_only_in_the_compute_it_was_begun_in(tiny_models, tmp_p
     out.write_text(json.dumps(old))
     assert _scan(tiny_models["llama"], out, calib_text, dtype="float32", resume=True)["compute"] == "float32"
 
+
+
+def test_the_map_schema_knows_every_compute():
+    """A map's `compute` is one of the engine's `--dtype` values (less auto, which a map records resolved)."""
+    from typing import get_args
+
+    from cardfit.engine import DTYPES
+    from cardfit.schemas import SensitivityMap
+
+    assert set(get_args(SensitivityMap.model_fields["compute"].annotation)) == set(DTYPES) - {"auto"}
