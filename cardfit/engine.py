@@ -123,6 +123,7 @@ class Engine:
         self.compute = resolve_compute(dtype, self.device)
         self._refused: str | None = None if self.compute == DIFFERENCES else "not asked"  # why difference form is off
         self._unsupported: dict[int, str] = {}  # layer -> why it cannot run in difference form
+        self._workspace = None  # difference.Workspace: its buffers kept across tracks and layers
         if log:
             log(f"{self.device_reason}, decoder layers in {str(self.dtype).removeprefix('torch.')}"
                 + (", a scan's tracks as the reference plus bfloat16 products of their changes"
@@ -212,8 +213,9 @@ class Engine:
     def _run_differences(self, index: int, tracks: list[Track], reference: Callable[[int, int], torch.Tensor]) -> None:
         """Each batch's reference intermediates at layer `index` once, every track as them plus its change;
         a reference pass that does not reproduce the layer's own output turns difference form off."""
-        from .difference import CHECK_TOLERANCE, DifferenceLayer
+        from .difference import CHECK_TOLERANCE, DifferenceLayer, Workspace
 
+        self._workspace = self._workspace or Workspace()
         layer = DifferenceLayer(self.stream.layers[index])
         for b in range(len(tracks[0].hidden)):
             inputs = reference(index, b).to(self.device, self.dtype)
@@ -229,7 +231,8 @@ class Engine:
                     track.hidden[b:] = [self.stream.run_layer(index, h) for h in track.hidden[b:]]
                 return
             for track in tracks:
-                track.hidden[b] = layer.forward(ref, track.hidden[b].to(self.device, self.dtype), kwargs)
+                track.hidden[b] = layer.forward(ref, track.hidden[b].to(self.device, self.dtype), kwargs,
+                                                self._workspace)
             del ref
 
     @torch.no_grad()

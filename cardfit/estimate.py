@@ -150,14 +150,15 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     seconds = reference_seconds + sum(group_seconds)
     if differs and windows:  # the rounds' reference passes instead of each group's own
         for together, window in walk_windows(scanner, groups, pending_by_group(todo)):
-            if together:
-                first = min(groups[i].start for i, _ in window)
-                sweeps = [(groups[i].start, len(format_batches(groups[i], measured_formats(groups[i], formats), limit)))
-                          for i, formats in window]
+            sweeps = [(groups[i].start, len(format_batches(groups[i], measured_formats(groups[i], pending), limit)))
+                      for i, pending in window]
+            sweeps = [(start, n) for start, n in sweeps if n]  # a group with nothing to measure is not walked
+            if together and sweeps:
+                first = min(start for start, _ in sweeps)
                 passes = sum((layers - start) * n for start, n in sweeps) - (layers - first)
-                reads = sum((layers - max(start, kept)) * n for start, n in sweeps) - (layers - max(first, kept))
-                seconds -= passes * batches * reference_pass + reads * units["layer_read"]
-                layer_reads -= reads
+                saved_reads = sum((layers - max(start, kept)) * n for start, n in sweeps) - (layers - max(first, kept))
+                seconds -= passes * batches * reference_pass + saved_reads * units["layer_read"]
+                layer_reads -= saved_reads
     return ScanEstimate(layer_forwards, head_forwards, layer_reads, quantizations, flops, bytes_read, moved, peak,
                         seconds, calibration_seconds, units, reference_seconds, group_seconds)
 
