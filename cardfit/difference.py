@@ -20,6 +20,7 @@ whole in float32 as before.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,40 @@ def fast_bfloat16(device: torch.device) -> bool:
     if device.type == "cpu":
         return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
     return False
+
+
+@contextmanager
+def _reduced_float32_matmuls(device: torch.device):
+    """float32 matmuls whose inputs are rounded to bfloat16 (oneDNN on the CPU) or TF32 (CUDA), accumulated
+    and returned in float32, for the duration. torch 2.13 has no CPU bfloat16 matmul with a float32 output
+    (`mm(out_dtype=)` is CUDA's only), and a bfloat16 output rounds what it returns to 8 bits. The setting is
+    the process's, not the thread's: taken only on the scan's own thread, while no other thread of the scan
+    multiplies float32 matrices (ggml's quantizers and the layer prefetch do not)."""
+    if device.type == "cuda":
+        before = torch.backends.cuda.matmul.fp32_precision
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.fp32_precision = before
+        return
+    before = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
+    torch._C._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
+    try:
+        yield
+    finally:
+        torch._C._set_fp32_precision_setter("mkldnn", "matmul", before)
+
+
+def head_change(reference_logits: torch.Tensor, change: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
+                ) -> torch.Tensor:
+    """A track's logits as the reference's float32 logits plus the head's product with the change of its input
+    (the track's final norm output less the reference's), that product from bfloat16 inputs into float32:
+    its rounding is then relative to the change of each logit, not to the logit, and nothing is rounded on the
+    way out. `out` is a buffer of the logits' shape other than `reference_logits`."""
+    with _reduced_float32_matmuls(out.device):
+        torch.mm(change.reshape(-1, change.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
+    return out.add_(reference_logits)
 
 
 ROW_BLOCK, COLUMN_BLOCK = 256, 8192  # a product's fixed pieces: its bits never depend on the thread count

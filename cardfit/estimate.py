@@ -103,7 +103,9 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     kept = min(layers, engine.stream.keep_bytes // max(1, layer_device_bytes))  # the first ones walked stay
     linear = engine.stream.linear_head
     layer_forwards += layers * batches  # the reference
-    head_forwards += batches * (2 if linear else 1)  # its logits, and its summary's tail rows (head_kl.py)
+    # its logits, and its summary's tail rows (head_kl.py; through the rounded head too for a difference-form head)
+    head_forwards += batches * (1 + linear + scanner.head_in_differences)
+    reference_head = units.get("reference_head", 0.0)  # a walk's reference logits, shared by its tracks
     layer_reads += layers
     reference_seconds = seconds_of(layer_forwards, head_forwards, layer_reads)
     group_seconds = []
@@ -127,6 +129,8 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
             reads += layers - max(start, kept)
             forwards += (layers - start) * batches * len(sweep)
             heads += batches * len(sweep) * scanner.heads_per_cell(group)
+            if scanner.head_in_differences and scanner.heads_per_cell(group) == 1:
+                walked += batches * reference_head
             if differs:  # its own layer plain (none for the embedding's), the rest in difference form
                 later = (layers - start - (0 <= group.start < layers)) * batches * len(sweep)
                 walked += later * (track_forward - units["layer_forward"]) + (layers - start) * batches * reference_pass
@@ -142,9 +146,9 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     bytes_read = layer_reads * layer_bytes
     moved = bytes_read + layer_forwards * hidden_bytes * (2 if engine.device.type == "cuda" else 0)
     activations = (layers + 1) * tokens * geometry.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
-    reference = tokens * summary_bytes(geometry.hidden_size) if linear else 0  # the summary, tail rows included
+    reference = tokens * summary_bytes(geometry.hidden_size, scanner.head_in_differences) if linear else 0
     # the reference pass's logits, probabilities and log-probabilities of one slice (a cell's buffer is one)
-    head_buffers = 3 * scanner.positions * geometry.vocab_size * 4
+    head_buffers = (3 + scanner.head_in_differences) * scanner.positions * geometry.vocab_size * 4
     peak = (activations + reference + limit * (2 if rounds_ahead else 1) + 2 * layer_params * 4 + 2 * head_params * 4
             + head_buffers)
     seconds = reference_seconds + sum(group_seconds)
@@ -158,6 +162,7 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
                 passes = sum((layers - start) * n for start, n in sweeps) - (layers - first)
                 saved_reads = sum((layers - max(start, kept)) * n for start, n in sweeps) - (layers - max(first, kept))
                 seconds -= passes * batches * reference_pass + saved_reads * units["layer_read"]
+                seconds -= (sum(n for _, n in sweeps) - 1) * batches * reference_head
                 layer_reads -= saved_reads
     return ScanEstimate(layer_forwards, head_forwards, layer_reads, quantizations, flops, bytes_read, moved, peak,
                         seconds, calibration_seconds, units, reference_seconds, group_seconds)
@@ -208,8 +213,19 @@ def _unit_seconds(scanner, formats, differs: bool = False) -> dict:
     # spread over ~300, and such a slice took 2x as long on both Qwen models: a 45 % too long estimate
     generator = torch.Generator().manual_seed(0)
     piece = torch.randn(hidden[:1, :scanner.positions].shape, generator=generator).to(hidden.device, hidden.dtype)
+    reference_slice = 0.0
     with engine.head():
-        if stream.linear_head:  # a cell's slice as the scan computes it, against a summary of the same slice
+        if scanner.head_in_differences:  # a cell's slice in difference form, and the reference logits it shares
+            normed = stream.final_norm(piece)
+            ref, tail = summarize(stream.head_logits(normed), normed, stream.head_matrix(), rounded=True)
+            reference_logits, out = scanner._slice_buffer(2, piece.shape[1])
+            reference_logits = stream.head_logits(normed, out=reference_logits)
+            moved = piece + 1e-3 * piece.roll(1, -1)  # a change the final norm does not scale away
+            head_slice = lambda: scanner.difference_slice(moved, normed, reference_logits,  # noqa: E731
+                                                          stream.head_matrix(), ref, tail, out)
+            kl_factor = 1.0
+            reference_slice = _median_seconds(lambda: stream.head_logits(normed, out=reference_logits), sync)
+        elif stream.linear_head:  # a cell's slice as the scan computes it, against a summary of the same slice
             normed = stream.final_norm(piece)
             ref, tail = summarize(stream.head_logits(normed), normed, stream.head_matrix())
             head_slice = lambda: scanner.summarized_slice(piece, ref, tail)  # noqa: E731
@@ -220,6 +236,8 @@ def _unit_seconds(scanner, formats, differs: bool = False) -> dict:
         slice_seconds = _median_seconds(head_slice, sync)
     slices = hidden.shape[0] * -(-hidden.shape[1] // scanner.positions)
     head_forward = slice_seconds * slices * kl_factor
+    if scanner.head_in_differences:
+        differences["reference_head"] = reference_slice * slices
     largest = max((t for t in source.groups()[group] if len(t.shape) >= 2), key=lambda t: t.numel)
     weight = source.read(largest.name)
     per_param = {}

@@ -55,9 +55,10 @@ class ReferenceSlice:
 SLICE_BYTES = 8 + 8 + TOP_TOKENS * (8 + 8) + 8  # a ReferenceSlice's bytes per position
 
 
-def summary_bytes(hidden_size: int) -> int:
-    """Bytes of the reference's summary per position: a ReferenceSlice's and the float32 tail row."""
-    return SLICE_BYTES + 4 * hidden_size
+def summary_bytes(hidden_size: int, rounded: bool = False) -> int:
+    """Bytes of the reference's summary per position: a ReferenceSlice's and the float32 tail row (two with
+    the rounded head's, summarize's `rounded`)."""
+    return SLICE_BYTES + 4 * hidden_size * (2 if rounded else 1)
 
 
 @contextmanager
@@ -83,28 +84,50 @@ def log_partition(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return peak.double() + logits.sum(-1).double().log(), top
 
 
-def _expected_logit(logits: torch.Tensor, normed: torch.Tensor, tail_row, top_ids, top_probs) -> torch.Tensor:
-    """Σ_v p_v z_v less the bias term, in float64: the top tokens from `logits`, the tail by the linear form."""
-    tail = (normed.double() * tail_row.double()).sum(-1)
-    return tail + (top_probs * logits.gather(-1, top_ids).double()).sum(-1)
+def _expected_logit(logits: torch.Tensor, linear: torch.Tensor, top_ids, top_probs) -> torch.Tensor:
+    """Σ_v p_v z_v less the bias term, in float64: the top tokens from `logits`, the tail as `linear` (float64,
+    the tail's part by the linear form)."""
+    return linear + (top_probs * logits.gather(-1, top_ids).double()).sum(-1)
 
 
-def summarize(logits: torch.Tensor, normed: torch.Tensor, head_weight: torch.Tensor
+def _linear_tail(normed: torch.Tensor, tail_row: torch.Tensor) -> torch.Tensor:
+    return (normed.double() * tail_row.double()).sum(-1)
+
+
+ROUNDED_BLOCK = 8192  # vocabulary rows of the head rounded to bfloat16 at a time (rounded_tail_rows)
+
+
+def rounded_tail_rows(tail_probs: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """Σ_{v ∉ top} p_v W̃_v, W̃ the head rounded to bfloat16 (what difference.head_change multiplies by), in
+    float32 from 2-D probabilities with the top tokens zeroed; a block of the vocabulary at a time, so no
+    float32 copy of the rounded head is held whole."""
+    out = torch.zeros(tail_probs.shape[0], head_weight.shape[1], device=tail_probs.device)
+    for start in range(0, head_weight.shape[0], ROUNDED_BLOCK):
+        block = head_weight[start:start + ROUNDED_BLOCK].to(torch.bfloat16).float()
+        out.addmm_(tail_probs[:, start:start + ROUNDED_BLOCK], block)
+    return out
+
+
+def summarize(logits: torch.Tensor, normed: torch.Tensor, head_weight: torch.Tensor, rounded: bool = False
               ) -> tuple[ReferenceSlice, torch.Tensor]:
     """The reference's slice and its tail rows (float32, (…, hidden): Σ_{v ∉ top} p_v W_v) from its float32
     logits (overwritten) and the head's input and matrix. The tail rows reduce over the vocabulary, which a
     threaded CPU matmul splits by thread count (unlike the logits' reduction over the hidden size), so they
-    are made on one thread: once per slice of the reference pass."""
+    are made on one thread: once per slice of the reference pass. `rounded` (a scan whose cells take the head
+    in difference form) appends the rounded head's tail rows (rounded_tail_rows): (…, 2 · hidden)."""
     probs = torch.softmax(logits, dim=-1)
     mass = probs.sum(-1, dtype=torch.float64)
     top_probs, top_ids = probs.topk(min(TOP_TOKENS, probs.shape[-1]), dim=-1)
     probs.scatter_(-1, top_ids, 0.0)
+    flat = probs.reshape(-1, probs.shape[-1])
     with one_thread(probs.device):
-        tail_row = (probs.reshape(-1, probs.shape[-1]) @ head_weight).reshape(*probs.shape[:-1], -1)
+        tail_row = (flat @ head_weight).reshape(*probs.shape[:-1], -1)
+        rounded_row = rounded_tail_rows(flat, head_weight).reshape(tail_row.shape) if rounded else None
     top_probs = top_probs.double()
-    expected = _expected_logit(logits, normed, tail_row, top_ids, top_probs)
+    expected = _expected_logit(logits, _linear_tail(normed, tail_row), top_ids, top_probs)
     lse, argmax = log_partition(logits)
-    return ReferenceSlice(mass * lse - expected, mass, top_ids, top_probs, argmax), tail_row
+    tail_rows = tail_row if rounded_row is None else torch.cat([tail_row, rounded_row], -1)
+    return ReferenceSlice(mass * lse - expected, mass, top_ids, top_probs, argmax), tail_rows
 
 
 def slice_kl(logits: torch.Tensor, normed: torch.Tensor, ref: ReferenceSlice, tail_row: torch.Tensor
@@ -112,6 +135,22 @@ def slice_kl(logits: torch.Tensor, normed: torch.Tensor, ref: ReferenceSlice, ta
     """(KL(p ‖ q) per position in float64, clamped at 0; q's argmax) from a cell's float32 logits
     (overwritten) through the reference's own head, the head's input `normed`, and the reference's slice
     and tail rows there."""
-    expected = _expected_logit(logits, normed, tail_row, ref.top_ids, ref.top_probs)
+    expected = _expected_logit(logits, _linear_tail(normed, tail_row), ref.top_ids, ref.top_probs)
+    return _kl(logits, expected, ref)
+
+
+def difference_slice_kl(logits: torch.Tensor, reference_normed: torch.Tensor, change: torch.Tensor,
+                        ref: ReferenceSlice, tail_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """slice_kl for a cell's logits made in difference form (difference.head_change: the reference's logits
+    plus the rounded head's product with `change`, the head input's change already rounded to bfloat16),
+    `tail_rows` the summary's with the rounded head's appended. The tail's expected logit is taken through the
+    same rounded head and change as the logits: taken exactly, the product's rounding would enter the KL
+    to first order (Σ_v q_v ε_v against a second-order KL), a 50 % error on a near-lossless cell."""
+    hidden = change.shape[-1]
+    linear = _linear_tail(reference_normed, tail_rows[..., :hidden]) + _linear_tail(change, tail_rows[..., hidden:])
+    return _kl(logits, _expected_logit(logits, linear, ref.top_ids, ref.top_probs), ref)
+
+
+def _kl(logits: torch.Tensor, expected: torch.Tensor, ref: ReferenceSlice) -> tuple[torch.Tensor, torch.Tensor]:
     lse, top = log_partition(logits)
     return (ref.mass * lse - expected - ref.offset).clamp_min(0), top

@@ -37,7 +37,8 @@ from .atomic import write_json
 from .errors import CardfitError
 from .formats import Calibration, Format, parse_formats
 from .heap import map_large_blocks, return_freed_memory
-from .head_kl import ReferenceSlice, one_thread, slice_kl, summarize
+from .difference import head_change
+from .head_kl import ReferenceSlice, difference_slice_kl, one_thread, slice_kl, summarize
 from .metrics import DistanceMeter, kl_from_logprobs, target_nll
 from .schemas import KL_METRIC, MAP_VERSION, model_header
 from .groups import EMBED, LM_HEAD, NORM, GroupId, expert_stack
@@ -151,7 +152,8 @@ class Scanner:
             self.cache.put(self.layers, b, h)
         with self.engine.head():
             for b, (ids, h) in enumerate(zip(self.batches, hidden)):
-                tails = torch.empty(h.shape) if self.stream.linear_head else None
+                rounded = self.head_in_differences
+                tails = torch.empty(*h.shape[:-1], h.shape[-1] * (2 if rounded else 1)) if self.stream.linear_head else None
                 for r in range(h.shape[0]):
                     for start in range(0, h.shape[1], self.positions):
                         piece = h[r:r + 1, start:start + self.positions]
@@ -162,7 +164,7 @@ class Scanner:
                             meter.nll_sum += float(target_nll(logits[:, :targets.shape[1]], targets).sum())
                             meter.nll_tokens += targets.numel()
                             if self.stream.linear_head:  # what every cell compares against, computed once
-                                ref, tail = summarize(logits, normed, self.stream.head_matrix())
+                                ref, tail = summarize(logits, normed, self.stream.head_matrix(), rounded)
                                 self.summary[(b, r, start)] = ref.map(self._held)
                                 tails[r:r + 1, start:start + self.positions] = tail
                 if self.stream.linear_head:
@@ -260,6 +262,8 @@ class Scanner:
         """Each track's final hidden states through the head (its own quantized head when it replaces
         it) against the reference; the reference head is resident once for all tracks."""
         head, head_weight = self._head_weight()
+        if self._head_in_differences(tracks, head, head_weight):
+            return self._difference_distances(tracks)
         meters = {}
         with self.engine.head():
             for track in tracks:
@@ -271,12 +275,15 @@ class Scanner:
 
     def _slice_buffer(self, views: int, positions: int) -> tuple[torch.Tensor, ...]:
         """`views` (1 x positions x vocab) float32 views of one block on the device, allocated once per
-        scan and written in place slice after slice: a cell's logits (one view of `self.positions`), or
-        the log-softmax comparison's four (a quarter of the positions each, the same block)."""
+        scan and written in place slice after slice: a cell's logits (one view of `self.positions`), the
+        reference's and a cell's in difference form (two), or the log-softmax comparison's four (a quarter
+        of the positions each, the same block)."""
         vocab = self.stream.model.config.vocab_size
-        if self._buffer is None:
-            longest = min(self.positions, self.chunks.shape[1])
-            self._buffer = torch.empty(max(longest, 4) * vocab, device=self.engine.device)
+        longest = min(self.positions, self.chunks.shape[1])
+        size = max(longest, 4, views * positions) * vocab
+        if self._buffer is None or self._buffer.numel() < size:
+            self._buffer = None
+            self._buffer = torch.empty(size, device=self.engine.device)
         return tuple(self._buffer[i * positions * vocab:(i + 1) * positions * vocab].view(1, positions, vocab)
                      for i in range(views))
 
@@ -287,6 +294,61 @@ class Scanner:
         logits, = self._slice_buffer(1, piece.shape[1])
         normed = self.stream.final_norm(piece)
         return slice_kl(self.stream.head_logits(normed, out=logits), normed, ref, tail_rows)
+
+    @property
+    def head_in_differences(self) -> bool:
+        """Whether cells that keep the reference's head take it in difference form (difference.head_change):
+        the engine computes its tracks so and the head is linear. The reference's summary then carries the
+        rounded head's tail rows too (head_kl.summarize)."""
+        from .engine import DIFFERENCES
+
+        return self.engine.compute == DIFFERENCES and self.stream.linear_head
+
+    def _head_in_differences(self, tracks: list[Track], head: str, head_weight: str) -> bool:
+        return self.head_in_differences and all(t.replacements(head).get(head_weight) is None for t in tracks)
+
+    def _difference_distances(self, tracks: list[Track]) -> dict[object, DistanceMeter]:
+        """_distances for every track at once with the head in difference form: a slice's reference logits
+        (one float32 matmul from the cached final hidden states) are shared by all tracks, and each track's
+        are those plus the head's bfloat16 product with the change of its final norm's output, then the KL
+        against the reference's summary as in summarized_slice."""
+        meters = {t.key: DistanceMeter() for t in tracks}
+        with self.engine.head():
+            weight = self.stream.head_matrix()  # resident only inside engine.head()
+            for b in range(len(self.batches)):
+                final = self.cache.get(self.layers, b)
+                tails = self.cache.get(TAIL_ROWS, b)
+                for r in range(final.shape[0]):
+                    kl = {t.key: [] for t in tracks}
+                    agree = {t.key: [] for t in tracks}
+                    for start in range(0, final.shape[1], self.positions):
+                        piece = final[r:r + 1, start:start + self.positions]
+                        reference_logits, logits = self._slice_buffer(2, piece.shape[1])
+                        with self._row_reductions(piece.shape[1]):
+                            ref = self.summary[(b, r, start)].to(self.engine.device, non_blocking=True)
+                            tail = tails[r:r + 1, start:start + self.positions].to(self.engine.device,
+                                                                                    non_blocking=True)
+                            reference_normed = self.stream.final_norm(piece)
+                            reference_logits = self.stream.head_logits(reference_normed, out=reference_logits)
+                            for track in tracks:
+                                own = track.hidden[b][r:r + 1, start:start + self.positions]
+                                cell_kl, top = self.difference_slice(own, reference_normed, reference_logits, weight,
+                                                                     ref, tail, logits)
+                                kl[track.key].append(cell_kl)
+                                agree[track.key].append(ref.argmax == top)
+                    for track in tracks:  # one copy to the host per sequence, as _distances
+                        meters[track.key].record(torch.cat(kl[track.key], -1).cpu(),
+                                                 torch.cat(agree[track.key], -1).cpu())
+        return meters
+
+    def difference_slice(self, piece: torch.Tensor, reference_normed: torch.Tensor, reference_logits: torch.Tensor,
+                         weight: torch.Tensor, ref: ReferenceSlice, tail_rows: torch.Tensor, out: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KL per position, q's argmax) of one track's slice with the head in difference form, against the
+        reference's logits, head input and summary there; the track's logits are written into `out`."""
+        change = self.stream.final_norm(piece).sub_(reference_normed).to(torch.bfloat16).float()
+        head_change(reference_logits, change, weight, out)
+        return difference_slice_kl(out, reference_normed, change, ref, tail_rows)
 
     def _distances(self, hidden: list[torch.Tensor], ref_head, q_head, own_head: bool) -> DistanceMeter:
         """KL and top-1 per sequence, logits computed a slice of positions at a time into the scan's
