@@ -16,6 +16,11 @@ Only decoder layers whose forward this file writes out are taken (the Llama form
 grouped-query causal attention without sliding windows, SwiGLU); every reference pass is checked against
 the layer's own float32 output, and any other layer, or a reference that does not reproduce it, runs
 whole in float32 as before.
+
+The head takes the same form (head_change): a slice's reference logits, one float32 matmul shared by every
+track of a walk, plus the head's product with the change of the final norm's output. There the product's
+output must stay float32 (a bfloat16 logit change rounded on the way out read a cell 0.6 % high on one
+thread count and low on the other), so it runs as a float32 matmul with inputs rounded to bfloat16.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ The engine counts every group read (`loads`); the scan reports them.
 Where the walk runs is the device policy of `resolve_device`, `resolve_dtype` and `resolve_compute`:
 CUDA when torch sees it; decoder layers in float32 unless `--dtype bfloat16` is asked for (the embedding,
 final norm, head, log-softmax and KL sums are float32 always; resolve_dtype says why bf16 is not the
-default); where bfloat16 matmuls are fast, a scan's tracks run the layers after their own as the
-reference plus bfloat16 products of their change (difference.py), which keeps the float32 map's cells. Residency: on CUDA, layers stay on the device once read
+default); where bfloat16 matmuls are fast, a scan's tracks run the layers after their own, and the head,
+as the reference plus bfloat16 products of their change (difference.py), which keeps the float32 map's
+cells. Residency: on CUDA, layers stay on the device once read
 while they fit under `gpu_memory` (default: 90 % of what is free when the engine starts, less the
 head and a margin for activations), the next layer is read on a background thread while the current
 one computes; on the CPU layers stream (a resident float32 copy would multiply the RSS).

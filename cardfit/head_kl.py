@@ -19,6 +19,11 @@ logits from the cell's own float32 logits, the rest from the linear form (the "t
 float32-rounded logits, ~1e-5 nats a position of the matmul's rounding that no longer cancels. Summed in
 float64, the cells of the real 0.5B land closer to a float64 ground truth than the log-softmax form's
 (docs/benchmarks.md; test_head_kl pins both details).
+
+A scan whose tracks run in difference form (difference.py) takes a cell's logits as the reference's plus
+the bfloat16-rounded head's product with the rounded change of its input; its tail is then taken through
+the same rounded head and change (`difference_slice_kl`, the summary carrying the rounded head's tail rows
+too), so the rounding enters the KL only through q − p, not to first order.
 """
 
 from __future__ import annotations

@@ -152,8 +152,9 @@ class Scanner:
             self.cache.put(self.layers, b, h)
         with self.engine.head():
             for b, (ids, h) in enumerate(zip(self.batches, hidden)):
-                rounded = self.head_in_differences
-                tails = torch.empty(*h.shape[:-1], h.shape[-1] * (2 if rounded else 1)) if self.stream.linear_head else None
+                rounded = self.head_in_differences  # the rounded head's tail rows follow the exact ones
+                width = h.shape[-1] * (2 if rounded else 1)
+                tails = torch.empty(*h.shape[:-1], width) if self.stream.linear_head else None
                 for r in range(h.shape[0]):
                     for start in range(0, h.shape[1], self.positions):
                         piece = h[r:r + 1, start:start + self.positions]
@@ -262,7 +263,7 @@ class Scanner:
         """Each track's final hidden states through the head (its own quantized head when it replaces
         it) against the reference; the reference head is resident once for all tracks."""
         head, head_weight = self._head_weight()
-        if self._head_in_differences(tracks, head, head_weight):
+        if self.head_in_differences and all(t.replacements(head).get(head_weight) is None for t in tracks):
             return self._difference_distances(tracks)
         meters = {}
         with self.engine.head():
@@ -303,9 +304,6 @@ class Scanner:
         from .engine import DIFFERENCES
 
         return self.engine.compute == DIFFERENCES and self.stream.linear_head
-
-    def _head_in_differences(self, tracks: list[Track], head: str, head_weight: str) -> bool:
-        return self.head_in_differences and all(t.replacements(head).get(head_weight) is None for t in tracks)
 
     def _difference_distances(self, tracks: list[Track]) -> dict[object, DistanceMeter]:
         """_distances for every track at once with the head in difference form: a slice's reference logits

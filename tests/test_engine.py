@@ -173,6 +173,22 @@ def test_cuda_scan_map_matches_the_cpu_map_within_stderr(tiny_models, tmp_path, 
             assert abs(cell["damage"] - other["damage"]) <= tolerance, (a["name"], f, cell, other)
 
 
+@cuda
+def test_cuda_head_in_difference_form_rounds_only_the_change():
+    """difference.head_change on CUDA (TF32 inputs, float32 out): each logit's error is a small fraction of
+    its change, not of the logit."""
+    from cardfit.difference import head_change
+
+    g = torch.Generator().manual_seed(0)
+    weight, n = torch.randn(50000, 256, generator=g) * 0.05, torch.randn(1, 64, 256, generator=g)
+    change = 1e-3 * torch.randn(n.shape, generator=g)
+    reference = n @ weight.t()
+    exact = ((n + change).double() @ weight.double().t())
+    on_gpu = head_change(reference.cuda(), change.cuda(), weight.cuda(), torch.empty_like(reference).cuda()).cpu()
+    moved = (exact - reference.double()).abs().max()
+    assert float((on_gpu.double() - exact).abs().max()) < 0.01 * float(moved)
+
+
 def test_bfloat16_layers_keep_coarse_cells_and_float32_stays_the_default(tmp_path):
     """The embedded model's exact map with bf16 decoder layers against the float32 one (same tokens, formats,
     rounding). Measured: bf16 adds a floor of 2e-4..1e-3 nats to every cell, which swamps Q8_0 cells
