@@ -46,20 +46,13 @@ def fast_bfloat16(device: torch.device) -> bool:
 
 
 @contextmanager
-def _reduced_float32_matmuls(device: torch.device):
-    """float32 matmuls whose inputs are rounded to bfloat16 (oneDNN on the CPU) or TF32 (CUDA), accumulated
-    and returned in float32, for the duration. torch 2.13 has no CPU bfloat16 matmul with a float32 output
-    (`mm(out_dtype=)` is CUDA's only), and a bfloat16 output rounds what it returns to 8 bits. The setting is
-    the process's, not the thread's: taken only on the scan's own thread, while no other thread of the scan
-    multiplies float32 matrices (ggml's quantizers and the layer prefetch do not)."""
-    if device.type == "cuda":
-        before = torch.backends.cuda.matmul.fp32_precision
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.fp32_precision = before
-        return
+def bfloat16_matmul_inputs():
+    """CPU float32 matmuls whose inputs oneDNN rounds to bfloat16 (to nearest even, as `.to(torch.bfloat16)`),
+    accumulated and returned in float32, for the duration: what `torch.mm(..., out_dtype=torch.float32)` does
+    for bfloat16 inputs on CUDA and has no CPU kernel for in torch 2.13 (a bfloat16 output rounds what it
+    returns to 8 bits). The setting is the process's, not the thread's: taken only on the scan's own thread,
+    while no other thread of the scan multiplies float32 matrices (ggml's quantizers and the layer prefetch
+    do not)."""
     before = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
     torch._C._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
     try:
@@ -73,9 +66,14 @@ def head_change(reference_logits: torch.Tensor, change: torch.Tensor, weight: to
     """A track's logits as the reference's float32 logits plus the head's product with the change of its input
     (the track's final norm output less the reference's), that product from bfloat16 inputs into float32:
     its rounding is then relative to the change of each logit, not to the logit, and nothing is rounded on the
-    way out. `out` is a buffer of the logits' shape other than `reference_logits`."""
-    with _reduced_float32_matmuls(out.device):
-        torch.mm(change.reshape(-1, change.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
+    way out. The head is rounded to nearest as head_kl.rounded_tail_rows rounds it. `out` is a buffer of the
+    logits' shape other than `reference_logits`."""
+    rows, flat = out.view(-1, out.shape[-1]), change.reshape(-1, change.shape[-1])
+    if out.device.type == "cuda":  # bfloat16 tensor cores, float32 out
+        rows.copy_(torch.mm(flat.to(torch.bfloat16), weight.to(torch.bfloat16).t(), out_dtype=torch.float32))
+    else:
+        with bfloat16_matmul_inputs():
+            torch.mm(flat, weight.t(), out=rows)
     return out.add_(reference_logits)
 
 

@@ -175,8 +175,8 @@ def test_cuda_scan_map_matches_the_cpu_map_within_stderr(tiny_models, tmp_path, 
 
 @cuda
 def test_cuda_head_in_difference_form_rounds_only_the_change():
-    """difference.head_change on CUDA (TF32 inputs, float32 out): each logit's error is a small fraction of
-    its change, not of the logit."""
+    """difference.head_change on CUDA (bfloat16 inputs, float32 out): each logit's error is a small fraction
+    of its change, not of the logit."""
     from cardfit.difference import head_change
 
     g = torch.Generator().manual_seed(0)
