@@ -316,27 +316,29 @@ def _reference(ray, job: ScanJob, ref) -> list:
 
 
 # -- the coordinator ---------------------------------------------------------------------------------
-def task_memory(source, chunks: torch.Tensor, limit: int) -> int:
-    """Bytes one sweep task holds at its peak: its group's input and the final hidden states, the
-    reference's summary, the quantized copies of one sweep, two float32 layers and the head."""
+def task_memory(source, chunks: torch.Tensor, limit: int, differences: bool = False) -> int:
+    """Bytes one sweep task holds at its peak: its group's input and the final hidden states (in difference
+    form the reference's input to every layer the sweep walks, at most L + 1 of them), the reference's
+    summary, the quantized copies of one sweep, two float32 layers and the head."""
     from .groups import GroupId
 
     g = source.geometry
     hidden = chunks.numel() * g.hidden_size * 4
-    reference = chunks.numel() * summary_bytes(g.hidden_size)
+    points = g.num_layers + 1 if differences else 2
+    reference = chunks.numel() * summary_bytes(g.hidden_size, differences)
     layer = sum(t.numel for t in source.groups()[GroupId.layer_group(0)]) * 4
     head = g.vocab_size * g.hidden_size * 4
-    return int(2 * hidden + reference + limit + 2 * layer + 2 * head + 512 * 2**20)
+    return int(points * hidden + reference + limit + 2 * layer + 2 * head + 512 * 2**20)
 
 
-def reference_task_memory(source, chunks: torch.Tensor) -> int:
+def reference_task_memory(source, chunks: torch.Tensor, differences: bool = False) -> int:
     """Bytes the reference pass holds at its peak: every boundary (L + 1 of them) and the reference's
     summary, each twice while Ray serializes them, two float32 layers and the head."""
     from .groups import GroupId
 
     g = source.geometry
     boundaries = (g.num_layers + 1) * chunks.numel() * g.hidden_size * 4
-    reference = chunks.numel() * summary_bytes(g.hidden_size)
+    reference = chunks.numel() * summary_bytes(g.hidden_size, differences)
     layer = sum(t.numel for t in source.groups()[GroupId.layer_group(0)]) * 4
     head = g.vocab_size * g.hidden_size * 4
     return int(2 * (boundaries + reference) + 2 * layer + 2 * head + 512 * 2**20)
@@ -356,8 +358,9 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
     refs: list = []
     running: dict = {}
     try:
-        where = placement(ray, workers, device, task_memory(source, chunks, limit),
-                          reference_task_memory(source, chunks))
+        differences = dtype == DIFFERENCES  # the engine's resolved compute: its summary carries two tail rows
+        where = placement(ray, workers, device, task_memory(source, chunks, limit, differences),
+                          reference_task_memory(source, chunks, differences))
         if log:
             log(f"{said}; {where.workers} sweep{'s' * (where.workers != 1)} at a time, each "
                 + ("on one GPU" if where.device == "cuda" else f"on {where.threads} CPU thread(s)"))

@@ -61,20 +61,46 @@ def bfloat16_matmul_inputs():
         torch._C._set_fp32_precision_setter("mkldnn", "matmul", before)
 
 
-def head_change(reference_logits: torch.Tensor, change: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
-                ) -> torch.Tensor:
+_ROUNDS_INPUTS: dict[tuple, bool] = {}  # (rows, hidden, vocab, threads) -> whether oneDNN honoured the flag
+
+
+def head_change(reference_logits: torch.Tensor, change: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                low_weight: torch.Tensor | None = None) -> torch.Tensor:
     """A track's logits as the reference's float32 logits plus the head's product with the change of its input
-    (the track's final norm output less the reference's), that product from bfloat16 inputs into float32:
-    its rounding is then relative to the change of each logit, not to the logit, and nothing is rounded on the
-    way out. The head is rounded to nearest as head_kl.rounded_tail_rows rounds it. `out` is a buffer of the
-    logits' shape other than `reference_logits`."""
+    (the track's final norm output less the reference's, already rounded to bfloat16), that product from
+    bfloat16 inputs into float32: its rounding is then relative to the change of each logit, not to the
+    logit, and nothing is rounded on the way out. The head is rounded to nearest, as head_kl's rounded tail
+    rows round it; the KL needs the two to agree. `out` is a buffer of the logits' shape other than
+    `reference_logits`; `low_weight` the head in bfloat16 where the caller keeps one (CUDA)."""
     rows, flat = out.view(-1, out.shape[-1]), change.reshape(-1, change.shape[-1])
     if out.device.type == "cuda":  # bfloat16 tensor cores, float32 out
-        rows.copy_(torch.mm(flat.to(torch.bfloat16), weight.to(torch.bfloat16).t(), out_dtype=torch.float32))
-    else:
+        low = low_weight if low_weight is not None else weight.to(torch.bfloat16)
+        rows.copy_(torch.mm(flat.to(torch.bfloat16), low.t(), out_dtype=torch.float32))
+        return out.add_(reference_logits)
+    key = (*flat.shape, weight.shape[0], torch.get_num_threads())
+    if _ROUNDS_INPUTS.get(key, True):
         with bfloat16_matmul_inputs():
             torch.mm(flat, weight.t(), out=rows)
+        if key not in _ROUNDS_INPUTS:
+            _ROUNDS_INPUTS[key] = _rounded_inputs(flat, weight, rows)
+    if not _ROUNDS_INPUTS[key]:  # a float32 kernel ran (no AMX, or a shape oneDNN keeps in float32)
+        from .head_kl import rounded_head_blocks
+
+        for start, block in rounded_head_blocks(weight):
+            torch.mm(flat, block.t(), out=rows[:, start:start + block.shape[0]])
     return out.add_(reference_logits)
+
+
+def _rounded_inputs(flat: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, columns: int = 16) -> bool:
+    """Whether a product under bfloat16_matmul_inputs rounded its inputs: the flag is a hint oneDNN takes only
+    where a bfloat16 kernel exists for the shape (AMX, not AVX512-BF16 alone; not one row of a 256-wide
+    input), else the product is plain float32. Checked on a few columns against both float64 forms; where
+    the head is bfloat16 already the two agree and either kernel is right."""
+    head = weight[:columns].double()
+    rounded = flat.double() @ weight[:columns].to(torch.bfloat16).double().t()
+    plain = flat.double() @ head.t()
+    got = rows[:, :columns].double()
+    return bool((got - rounded).abs().sum() <= (got - plain).abs().sum())
 
 
 ROW_BLOCK, COLUMN_BLOCK = 256, 8192  # a product's fixed pieces: its bits never depend on the thread count

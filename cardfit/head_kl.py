@@ -99,17 +99,23 @@ def _linear_tail(normed: torch.Tensor, tail_row: torch.Tensor) -> torch.Tensor:
     return (normed.double() * tail_row.double()).sum(-1)
 
 
-ROUNDED_BLOCK = 8192  # vocabulary rows of the head rounded to bfloat16 at a time (rounded_tail_rows)
+ROUNDED_BLOCK = 8192  # vocabulary rows of the head rounded to bfloat16 at a time (rounded_head_blocks)
+
+
+def rounded_head_blocks(head_weight: torch.Tensor):
+    """(first row, float32 block) of the head rounded to bfloat16 (to nearest even), a block of the vocabulary
+    at a time, so no float32 copy of the rounded head is held whole: the one rounding difference.head_change
+    multiplies by and rounded_tail_rows sums."""
+    for start in range(0, head_weight.shape[0], ROUNDED_BLOCK):
+        yield start, head_weight[start:start + ROUNDED_BLOCK].to(torch.bfloat16).float()
 
 
 def rounded_tail_rows(tail_probs: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
     """Σ_{v ∉ top} p_v W̃_v, W̃ the head rounded to bfloat16 (what difference.head_change multiplies by), in
-    float32 from 2-D probabilities with the top tokens zeroed; a block of the vocabulary at a time, so no
-    float32 copy of the rounded head is held whole."""
+    float32 from 2-D probabilities with the top tokens zeroed."""
     out = torch.zeros(tail_probs.shape[0], head_weight.shape[1], device=tail_probs.device)
-    for start in range(0, head_weight.shape[0], ROUNDED_BLOCK):
-        block = head_weight[start:start + ROUNDED_BLOCK].to(torch.bfloat16).float()
-        out.addmm_(tail_probs[:, start:start + ROUNDED_BLOCK], block)
+    for start, block in rounded_head_blocks(head_weight):
+        out.addmm_(tail_probs[:, start:start + block.shape[0]], block)
     return out
 
 

@@ -263,9 +263,11 @@ class Scanner:
         """Each track's final hidden states through the head (its own quantized head when it replaces
         it) against the reference; the reference head is resident once for all tracks."""
         head, head_weight = self._head_weight()
-        if self.head_in_differences and all(t.replacements(head).get(head_weight) is None for t in tracks):
-            return self._difference_distances(tracks)
         meters = {}
+        if self.head_in_differences:  # the tracks that keep the reference's head, in difference form
+            own = [t for t in tracks if t.replacements(head).get(head_weight) is None]
+            meters.update(self._difference_distances(own) if own else {})
+            tracks = [t for t in tracks if t.key not in meters]
         with self.engine.head():
             for track in tracks:
                 quantized = track.replacements(head).get(head_weight)
@@ -313,6 +315,7 @@ class Scanner:
         meters = {t.key: DistanceMeter() for t in tracks}
         with self.engine.head():
             weight = self.stream.head_matrix()  # resident only inside engine.head()
+            low = weight.to(torch.bfloat16) if weight.is_cuda else None  # once, not per slice and track
             for b in range(len(self.batches)):
                 final = self.cache.get(self.layers, b)
                 tails = self.cache.get(TAIL_ROWS, b)
@@ -331,7 +334,7 @@ class Scanner:
                             for track in tracks:
                                 own = track.hidden[b][r:r + 1, start:start + self.positions]
                                 cell_kl, top = self.difference_slice(own, reference_normed, reference_logits, weight,
-                                                                     ref, tail, logits)
+                                                                     ref, tail, logits, low)
                                 kl[track.key].append(cell_kl)
                                 agree[track.key].append(ref.argmax == top)
                     for track in tracks:  # one copy to the host per sequence, as _distances
@@ -340,12 +343,12 @@ class Scanner:
         return meters
 
     def difference_slice(self, piece: torch.Tensor, reference_normed: torch.Tensor, reference_logits: torch.Tensor,
-                         weight: torch.Tensor, ref: ReferenceSlice, tail_rows: torch.Tensor, out: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         weight: torch.Tensor, ref: ReferenceSlice, tail_rows: torch.Tensor, out: torch.Tensor,
+                         low_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(KL per position, q's argmax) of one track's slice with the head in difference form, against the
         reference's logits, head input and summary there; the track's logits are written into `out`."""
         change = self.stream.final_norm(piece).sub_(reference_normed).to(torch.bfloat16).float()
-        head_change(reference_logits, change, weight, out)
+        head_change(reference_logits, change, weight, out, low_weight)
         return difference_slice_kl(out, reference_normed, change, ref, tail_rows)
 
     def _distances(self, hidden: list[torch.Tensor], ref_head, q_head, own_head: bool) -> DistanceMeter:
@@ -358,7 +361,7 @@ class Scanner:
         step = self.positions if summarized else max(1, min(self.positions, self.chunks.shape[1]) // 4)
         for b, h in enumerate(hidden):
             final = None if summarized else self.cache.get(self.layers, b)
-            tails = self.cache.get(TAIL_ROWS, b) if summarized else None
+            tails = self.cache.get(TAIL_ROWS, b)[..., :h.shape[-1]] if summarized else None  # the exact rows
             for r in range(h.shape[0]):
                 kl, agree = [], []
                 for start in range(0, h.shape[1], step):

@@ -72,6 +72,32 @@ def test_a_cell_with_its_head_in_difference_form_reads_as_float64_does(scale, bi
     assert abs(float((plain - truth).mean())) > 10 * abs(float((kl - truth).mean()))
 
 
+@pytest.mark.parametrize("rows", [1, 48])
+def test_the_head_s_product_rounds_its_inputs_whether_or_not_onednn_takes_the_hint(monkeypatch, rows):
+    """oneDNN's bf16 fp32-precision flag is a hint it drops where it has no bfloat16 kernel for the shape (a
+    CPU without AMX; one row of a 256-wide input even with it): head_change checks the first product of each
+    shape and otherwise multiplies by the rounded head itself, so the logits always agree with the rounded
+    tail rows of the summary."""
+    import contextlib
+
+    from cardfit import difference
+
+    weight, _, normed, g = _head(hidden=256, positions=rows)
+    change = (1e-3 * torch.randn(normed.shape, generator=g)).to(torch.bfloat16).float()
+    rounded = change.double() @ weight.to(torch.bfloat16).double().t()
+    plain = change.double() @ weight.double().t()
+    reference = torch.zeros(1, rows, weight.shape[0])
+    results = []
+    for hint in (difference.bfloat16_matmul_inputs, contextlib.nullcontext):  # as it is here; then dropped
+        monkeypatch.setattr(difference, "bfloat16_matmul_inputs", hint)
+        monkeypatch.setattr(difference, "_ROUNDS_INPUTS", {})
+        results.append(difference.head_change(reference, change, weight, torch.empty_like(reference)).double())
+    scale = float(rounded.abs().max())
+    for got in results:
+        assert float((got - rounded).abs().max()) < 1e-5 * scale
+    assert float((plain - rounded).abs().max()) > 1e-3 * scale  # the two forms are told apart
+
+
 def test_without_the_top_tokens_read_back_the_matmul_s_rounding_shows(monkeypatch):
     """Why TOP_TOKENS exists: the linear form alone sets an exact dot product against float32 logits."""
     weight, b, n_ref, g = _head(hidden=512, vocab=30000)
