@@ -215,21 +215,19 @@ def _unit_seconds(scanner, formats, differs: bool = False) -> dict:
     piece = torch.randn(hidden[:1, :scanner.positions].shape, generator=generator).to(hidden.device, hidden.dtype)
     reference_slice = 0.0
     with engine.head():
-        if scanner.head_in_differences:  # a cell's slice in difference form, and the reference logits it shares
+        if stream.linear_head:  # a cell's slice as the scan computes it, against a summary of the same slice
             normed = stream.final_norm(piece)
-            ref, tail = summarize(stream.head_logits(normed), normed, stream.head_matrix(), rounded=True)
-            reference_logits, out = scanner._slice_buffer(2, piece.shape[1])
-            reference_logits = stream.head_logits(normed, out=reference_logits)
-            moved = piece + 1e-3 * piece.roll(1, -1)  # a change the final norm does not scale away
-            head_slice = lambda: scanner.difference_slice(moved, normed, reference_logits,  # noqa: E731
-                                                          stream.head_matrix(), ref, tail, out)
-            kl_factor = 1.0
-            reference_slice = _median_seconds(lambda: stream.head_logits(normed, out=reference_logits), sync)
-        elif stream.linear_head:  # a cell's slice as the scan computes it, against a summary of the same slice
-            normed = stream.final_norm(piece)
-            ref, tail = summarize(stream.head_logits(normed), normed, stream.head_matrix())
+            ref, tail = summarize(stream.head_logits(normed), normed, stream.head_matrix(),
+                                  rounded=scanner.head_in_differences)
             head_slice = lambda: scanner.summarized_slice(piece, ref, tail)  # noqa: E731
             kl_factor = 1.0
+            if scanner.head_in_differences:  # in difference form, and the reference logits a walk's tracks share
+                reference_logits, out = scanner._slice_buffer(2, piece.shape[1])
+                reference_logits = stream.head_logits(normed, out=reference_logits)
+                moved = piece + 1e-3 * piece.roll(1, -1)  # a change the final norm does not scale away
+                head_slice = lambda: scanner.difference_slice(moved, normed, reference_logits,  # noqa: E731
+                                                              stream.head_matrix(), ref, tail, out)
+                reference_slice = _median_seconds(lambda: stream.head_logits(normed, out=reference_logits), sync)
         else:  # the log-softmax comparison: about two more vocabulary-wide passes than the logits alone
             head_slice = lambda: stream.logits(piece)  # noqa: E731
             kl_factor = 1.5

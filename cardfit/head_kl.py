@@ -156,7 +156,8 @@ def difference_slice_kl(logits: torch.Tensor, reference_normed: torch.Tensor, ch
     plus the rounded head's product with `change`, the head input's change already rounded to bfloat16),
     `tail_rows` the summary's with the rounded head's appended. The tail's expected logit is taken through the
     same rounded head and change as the logits: taken exactly, the product's rounding would enter the KL
-    to first order (Σ_v q_v ε_v against a second-order KL), a 50 % error on a near-lossless cell."""
+    to first order (Σ_v q_v ε_v against a second-order KL; on a random head, 0.1-0.9 % off float64 where
+    this form is within 0.2 %)."""
     hidden = change.shape[-1]
     linear = _linear_tail(reference_normed, tail_rows[..., :hidden]) + _linear_tail(change, tail_rows[..., hidden:])
     return _kl(logits, _expected_logit(logits, linear, ref.top_ids, ref.top_probs), ref)
