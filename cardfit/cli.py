@@ -156,8 +156,9 @@ def scan_command(
                                                       "else one per CPU of the cluster)."),
     shared_dir: Optional[str] = typer.Option(None, help="With --ray: a directory every node mounts at this path, "
                                                          "for boundary activations (default: Ray's object store)."),
-    weight_budget: Optional[str] = typer.Option(None, help="With --method adaptive: the budgets (plan's "
-                                                           "--weight-budget, comma-separated) whose plans it decides."),
+    weight_budget: Optional[str] = typer.Option(None, "--weight-budget", "--size",
+                                                help="With --method adaptive: the budgets, whole artifacts' sizes "
+                                                     "(plan's --size, comma-separated), whose plans it decides."),
     signal: Optional[str] = typer.Option(None, help="With --method adaptive: what prices the cells it does not "
                                                     "measure: fast (streamed Fisher; default for --rounding rtn) "
                                                     "or weight (the weight signal; default otherwise)."),
@@ -189,6 +190,8 @@ def plan_command(
     map_path: str = typer.Argument(..., metavar="MAP", help="sensitivity.json from cardfit scan."),
     out: str = typer.Option("recipe.json", help="Where the recipe is written."),
     weight_budget: Optional[str] = typer.Option(None, help="Weight budget directly (bytes or units)."),
+    size: Optional[str] = typer.Option(None, help="Or: the whole file's size (needs --model, whose metadata and "
+                                                  "tokenizer it reserves)."),
     vram: Optional[str] = typer.Option(None, help="Or: the card's memory; the budget is derived as in `budget`."),
     context: int = typer.Option(8192, help="With --vram: context length."),
     batch: int = typer.Option(1, min=1, help="With --vram: concurrent sequences."),
@@ -212,7 +215,15 @@ def plan_command(
     from .units import parse_bytes
 
     info = {}
-    if weight_budget is not None:
+    if sum(x is not None for x in (weight_budget, size, vram)) > 1:
+        raise CardfitError("--weight-budget, --size and --vram each set the budget", "give one of them")
+    if size is not None:
+        if model is None:
+            raise CardfitError("--size is the whole file's, whose metadata and tokenizer come from the model",
+                               "add --model (the model the map was scanned on), or give --weight-budget")
+        budget_bytes = parse_bytes(size, "--size")
+        info = {"file_size_bytes": budget_bytes}
+    elif weight_budget is not None:
         budget_bytes = parse_bytes(weight_budget, "--weight-budget")
     elif vram is not None:
         from .budget import budget as compute
@@ -223,7 +234,8 @@ def plan_command(
         info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
                 "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
     else:
-        raise CardfitError("no budget given", "pass --weight-budget BYTES or --vram SIZE --context N")
+        raise CardfitError("no budget given", "pass --size FILE_SIZE --model M, --weight-budget BYTES or --vram "
+                           "SIZE --context N")
     from .paths import guard_output, input_paths
 
     reads = {"the map": input_paths(map_path), "the model": input_paths(model), "the config": input_paths(config)}
@@ -331,7 +343,7 @@ def imatrix_command(
     """llama.cpp's importance matrix, streamed one layer at a time: for pack --imatrix or llama-quantize."""
     from .imatrix import collect_imatrix
 
-    result = collect_imatrix(model, calibration, max_tokens, seq_len, out, device)
+    result = collect_imatrix(model, calibration, max_tokens, seq_len, out, device, log=typer.echo)
     typer.echo(f"imatrix of {result['entries']} matrices over {result['tokens']} tokens "
                f"({result['chunks']} chunks of {result['chunk_size']}) -> {result['imatrix']}")
     from .calibrate import unvisited_warning
@@ -399,6 +411,9 @@ def _fit_menu(artifact: str) -> str:
 def fit_command(
     model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or cached hub id (default: the embedded model)."),
     vram: Optional[str] = typer.Option(None, help="The card's memory (default for the embedded model: 768MiB)."),
+    size: Optional[str] = typer.Option(None, help="Instead of --vram: file sizes, SIZE[,SIZE...] (e.g. "
+                                       "900MB,1.2GB): one scan, then the best artifact no larger than each size, "
+                                       "each in DIR/size-SIZE/."),
     context: int = typer.Option(8192, help="Context length in tokens per sequence."),
     batch: int = typer.Option(1, min=1, help="Concurrent sequences whose KV cache must fit."),
     kv_dtype: str = typer.Option("f16", help="KV cache dtype."),
@@ -431,7 +446,7 @@ def fit_command(
 
     fit(model, vram, context, batch, kv_dtype, format, out, formats, calibration, max_tokens, method=method,
         full_check=full_check, device=device, log=typer.echo, refine=refine, ray=ray, workers=workers,
-        scan_method=scan_method, group_by=group_by)
+        scan_method=scan_method, group_by=group_by, sizes=size)
 
 
 @app.command("compare")

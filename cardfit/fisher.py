@@ -4,9 +4,8 @@ Around the reference weights the KL of a small perturbation δw is, to second or
 where F is the Fisher information of the model's own next-token distribution. Its diagonal is
 estimated from gradients of the log-likelihood of tokens *sampled from the model itself* (so the
 score has zero mean and squared batch gradients estimate the per-token Fisher without the cross
-terms that true labels leave). Each cell then costs only its quantization round trip; for the i-quants,
-whose rounding is a search (three quarters of the pass when whole), that of a sample of a large matrix's
-blocks, drawn where a scaled grid's error is expected to lie (sampled_kl).
+terms that true labels leave). Each cell then costs only its quantization round trip; for a large matrix,
+that of a sample of its blocks, drawn where a scaled grid's error is expected to lie (sampled_kl).
 
 The model is never whole in memory: a layer-major forward keeps each layer's input per batch (the
 activations), the head samples the labels and starts the backward chunk by chunk of tokens (the
@@ -25,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from .groups import EMBED, LM_HEAD, NORM, GroupId
+from .sampling import sampled_or_whole, units_wanted, values_rounded, worth_sampling
 
 LOGIT_ROWS = 128  # tokens per chunk when sampling: the logits held at once are LOGIT_ROWS x vocab floats
 VOCAB_ROWS = 4096  # most head rows per chunk of the backward (its gradient slice: VOCAB_ROWS x hidden)
@@ -229,11 +229,6 @@ def predicted_kl(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.
     return 0.5 * total
 
 
-SAMPLE_SHARE = 16  # a searched type's price comes from ggml's rounding of about one block in this many ...
-SAMPLE_FLOOR = 1 << 18  # ... but never from fewer values than this, and a matrix under twice it is priced whole
-UNIFORM_SHARE = 0.1  # of the drawing spread evenly: no drawn block weighs over 10x what an even draw's would
-
-
 def unit_prices(fisher: torch.Tensor, original: torch.Tensor, quantized: torch.Tensor, unit: int,
                 rows: int = 4096) -> torch.Tensor:
     """½ Σ F δw² of every `unit` consecutive values of a matrix (its ggml blocks)."""
@@ -258,61 +253,38 @@ def expected_prices(fisher: torch.Tensor, original: torch.Tensor, unit: int, row
 
 
 def sampled(storage: str, values: int) -> bool:
-    """Whether the cheap signal prices a matrix of `values` stored as `storage` from a sample of its blocks."""
-    from .formats.gguf_formats import SEARCHED_TYPES
+    """Whether the cheap signal prices a matrix of `values` stored as `storage` from a sample of its blocks:
+    any large matrix of a block-quantized ggml type (RTN rounds each block apart from the others)."""
+    from .formats.gguf_formats import GGML_BLOCKS
 
-    return storage in SEARCHED_TYPES and values >= 2 * SAMPLE_FLOOR
+    return storage in GGML_BLOCKS and GGML_BLOCKS[storage][0] > 1 and worth_sampling(values)
 
 
 def sampled_kl(fisher: torch.Tensor, original: torch.Tensor, storage: str, seed: int = 0,
                guide: torch.Tensor | None = None) -> float:
-    """½ Σ F δw² of `original` stored as the searched type `storage`, from ggml's rounding of a sample of its
-    blocks: each block drawn with a probability that follows its expected price (expected_prices), a tenth
-    of it spread evenly; the drawn blocks' prices weighted by the inverse of that probability
-    (Horvitz-Thompson), then scaled by the whole matrix's expected price over the draw's estimate of it (a
-    ratio estimator: what the draw over- or under-caught of the expected error, it over- or under-caught of
-    the actual). One seeded draw, so a map is reproducible. `guide`: another price per block to draw by
-    (bench/sampled_pricing.py compares)."""
+    """½ Σ F δw² of `original` stored as the ggml type `storage`, from ggml's rounding of a sample of its
+    blocks drawn by their expected price (expected_prices; sampling.sampled_or_whole: whole where the sample
+    cannot decide). `guide`: another price
+    per block to draw by (bench/sampled_pricing.py compares)."""
     from .formats.gguf_formats import GGML_BLOCKS, ggml_roundtrip
 
     unit = GGML_BLOCKS[storage][0]
     matrix = original.reshape(-1, original.shape[-1])
     weights = fisher.reshape(matrix.shape)
     guide = expected_prices(weights, matrix, unit) if guide is None else guide
-    blocks = len(guide)
-    wanted = min(blocks, max(SAMPLE_FLOOR // unit, blocks // SAMPLE_SHARE))
-    total = float(guide.sum())
-    even = torch.full_like(guide, 1 / blocks)
-    share = (1 - UNIFORM_SHARE) * guide / total + UNIFORM_SHARE * even if total > 0 else even
-    inclusion = _inclusion(share, wanted)
-    draw = torch.rand(blocks, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    taken = (draw < inclusion).nonzero().reshape(-1)
-    picked = matrix.reshape(-1, unit)[taken].to(torch.float32)
-    prices = unit_prices(weights.reshape(-1, unit)[taken], picked, ggml_roundtrip(storage, picked), unit)
-    estimate, guide_estimate = float((prices / inclusion[taken]).sum()), float((guide[taken] / inclusion[taken]).sum())
-    return estimate * total / guide_estimate if guide_estimate > 0 else estimate
 
+    def price(taken: torch.Tensor) -> torch.Tensor:
+        picked = matrix.reshape(-1, unit)[taken].to(torch.float32)
+        return unit_prices(weights.reshape(-1, unit)[taken], picked, ggml_roundtrip(storage, picked), unit)
 
-def _inclusion(share: torch.Tensor, wanted: int) -> torch.Tensor:
-    """Each block's probability of being drawn: `wanted` times its share, where that would pass certainty the
-    block is certain and the rest is spread again over the others (the certain set only grows)."""
-    inclusion = share * wanted
-    for _ in range(64):
-        if not bool((inclusion > 1).any()):
-            break
-        certain = inclusion >= 1
-        rest = wanted - int(certain.sum())
-        if rest <= 0:
-            return certain.to(share.dtype)
-        inclusion = torch.where(certain, torch.ones_like(share), share * (rest / share[~certain].sum()))
-    return inclusion.clamp_(max=1.0)
+    return sampled_or_whole(guide, price, units_wanted(len(guide), unit),
+                            lambda: predicted_kl(weights, matrix, ggml_roundtrip(storage, matrix)), seed)
 
 
 def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device: str | torch.device = "cpu",
                  batch: int = 4, done: Callable[[int, dict[str, float]], None] | None = None) -> None:
-    """The predicted KL of every to-do cell (group index, group, format), RTN rounding (an i-quant of a large
-    matrix from a sample of its blocks, sampled_kl): `done(index,
-    {format: nats})` as each group's Fisher becomes final, its tensors read once for all its formats;
+    """The predicted KL of every to-do cell (group index, group, format), RTN rounding (a large matrix from a
+    sample of its blocks, sampled_kl): `done(index, {format: nats})` as each group's Fisher becomes final, its tensors read once for all its formats;
     then the Fisher is dropped. Refuses a group the pass never reached rather than leave holes."""
     from .errors import CardfitError
     from .formats.ggml_lib import over_items
@@ -330,8 +302,9 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
                 for f in formats:
                     if f.storage(t.name, t.shape) != "F32":
                         alike.setdefault(f.rounding_key(t.name, t.shape, "rtn"), []).append(f)
-                kl = over_items(lambda same: _price(same[0], t, fisher[t.name], weight), list(alike.values()),
-                                weight.numel())
+                own = source.origin_types().get(t.name)
+                kl = over_items(lambda same: _price(same[0], t, fisher[t.name], weight, own), list(alike.values()),
+                                values_rounded(weight.numel()))
                 for same, nats in zip(alike.values(), kl):
                     for fmt in same:
                         damage[fmt.name] += nats
@@ -344,10 +317,11 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
                            "scan with --method exact")
 
 
-def _price(fmt, tensor, fisher: torch.Tensor, weight: torch.Tensor) -> float:
-    """One tensor's predicted KL under one format, RTN: an i-quant of a large matrix from a sample of its
-    blocks (sampled_kl), anything else from its whole round trip."""
+def _price(fmt, tensor, fisher: torch.Tensor, weight: torch.Tensor, own: str | None = None) -> float:
+    """One tensor's predicted KL under one format, RTN: a large matrix from a sample of its blocks
+    (sampled_kl), anything else, and a tensor rounded back onto `own` (the grid its source stored it on:
+    ~0 but in a few blocks, which no sample predicts), from its whole round trip."""
     storage = fmt.storage(tensor.name, tensor.shape)
-    if fmt.method_for("rtn") == "rtn" and sampled(storage, weight.numel()):
+    if fmt.method_for("rtn") == "rtn" and storage != own and sampled(storage, weight.numel()):
         return sampled_kl(fisher, weight, storage)
     return predicted_kl(fisher, weight, fmt.roundtrip(tensor.name, weight, None, "rtn"))

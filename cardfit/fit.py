@@ -9,6 +9,7 @@ each artifact was packed from). Ctrl-C at any point leaves a state a rerun conti
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CardfitError
@@ -75,12 +76,43 @@ def _scanned_method(path: Path) -> str | None:
     return next((m for m in ("exact", "adaptive") if isinstance(method, str) and method.startswith(m)), None)
 
 
+def parse_sizes(sizes: str | list[int]) -> list[tuple[str, int]]:
+    """[(directory name, bytes)] of `--size SIZE[,SIZE...]`, largest first: each a file size the artifact must
+    not exceed; refuses an empty, unreadable or repeated size."""
+    import re
+
+    from .units import parse_bytes
+
+    texts = sizes.split(",") if isinstance(sizes, str) else [str(int(s)) for s in sizes]
+    if not texts or any(not t.strip() for t in texts):
+        raise CardfitError(f"--size '{sizes}' names no size", "pass --size SIZE[,SIZE...], e.g. --size 900MB,1.2GB")
+    parsed = [(re.sub(r"[^0-9A-Za-z.]+", "", t), parse_bytes(t.strip(), "--size")) for t in texts]
+    if len({b for _, b in parsed}) != len(parsed) or len({n for n, _ in parsed}) != len(parsed):
+        raise CardfitError(f"--size '{sizes}' names one size twice", "name each size once")
+    return [(f"size-{name}", size) for name, size in sorted(parsed, key=lambda p: -p[1])]
+
+
+@dataclass
+class _Job:
+    """What every delivery of one fit run shares: the opened model, its map and how to pack and check."""
+
+    model: str | Path | None
+    source: object
+    target: object
+    sensitivity: dict
+    map_path: Path
+    reserve: int
+    settings: dict  # fit's own arguments: format, method, calibration, max_tokens, seq_len, full_check, ...
+    log: object
+
+
 def fit(model: str | Path | None = None, vram: str | int | None = None, context: int = 8192, batch: int = 1,
         kv_dtype: str = "f16", format: str = "gguf", out: str | Path = "cardfit-out", formats: str | None = None,
         calibration: str | Path | None = None, max_tokens: int = 1024, seq_len: int = 512, method: str = "rtn",
         full_check: bool = False, check_tokens: int = 2048, device: str = "auto", progress: bool = True,
         log=print, refine: bool = False, refine_tokens: int | None = None, ray: str | None = None,
-        workers: int | None = None, scan_method: str | None = None, group_by: str | None = None) -> dict:
+        workers: int | None = None, scan_method: str | None = None, group_by: str | None = None,
+        sizes: str | list[int] | None = None) -> dict:
     """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary.
     `scan_method` "adaptive" (the default) prices the target's whole menu by the fast (Fisher) signal and
     measures exactly the cells that decide the plan at this budget; "exact" measures every cell of the
@@ -88,14 +120,13 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     map was scanned that way). With `ray`, the scan's group sweeps run on that Ray cluster
     (cluster.py), exactly; the rest stays here. `group_by` None: per tensor for a mixture-of-experts model
     (each expert stack, attention matrix and shared expert its own group: the MoE recipe's whole point),
-    per layer otherwise."""
+    per layer otherwise. `sizes` ("900MB,1.2GB", instead of `vram`): one scan for all, then the best artifact
+    no larger than each size in its own directory (out/size-900MB/...); the summary's "sizes" lists them."""
     from .budget import budget as compute_budget
     from .budget import render_budget
-    from .pack import pack, refuse_unpackable, render_pack, reserve_bytes
-    from .plan import Problem, frontier, plan, render_recipe
-    from .atomic import write_json, write_text
+    from .pack import refuse_unpackable, reserve_bytes
     from .paths import guard_output, input_paths, model_paths
-    from .plots import plot_frontier, plot_sensitivity
+    from .plots import plot_sensitivity
     from .scan import scan
     from .sources import open_model, runnable
     from .targets import all_targets, for_artifact
@@ -110,84 +141,139 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         raise CardfitError("--ray spreads the exact scan's group sweeps", "drop --ray, or use --scan-method exact")
     if ray is None and workers is not None:
         raise CardfitError("--workers spreads the scan over Ray", "add --ray (local, auto or ADDRESS)")
+    if sizes is not None and vram is not None:
+        raise CardfitError("--size and --vram both set the budget", "give the card's --vram or the file --size, not both")
+    labelled = parse_sizes(sizes) if sizes is not None else None
     if ray is not None:  # refused before anything is written, as scan refuses it
         from .cluster import check
 
         check(ray, None, device)
     target = for_artifact(format)
     runtime = target.name
-    if vram is None:
+    if vram is None and labelled is None:
         if model is not None:
-            raise CardfitError("--vram is required for a model of your own", "pass the card's memory, e.g. --vram 24GiB")
+            raise CardfitError("--vram is required for a model of your own",
+                               "pass the card's memory, e.g. --vram 24GiB, or the file's --size")
         vram = DEFAULT_VRAM
     source = open_model(model)
     refuse_unpackable(source, target.artifact)
+    files = FIT_FILES + tuple(t.artifact_name for t in all_targets(packs=True))
+    writes = files + tuple(f"{label}/{name}" for label, _ in labelled or () for name in files)
     out = guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)},
-                       kind="workdir", writes=FIT_FILES + tuple(t.artifact_name for t in all_targets(packs=True)))
-    state_path = out / "fit.json"
-    state = _read_state(state_path)
+                       kind="workdir", writes=writes)
     source = runnable(source)
     refuse_unpackable(source, target.artifact, layout=True)
-    out.mkdir(parents=True, exist_ok=True)
 
     _say(log, "== 1. budget")
-    b = compute_budget(model, vram, context, batch, kv_dtype, runtime)
-    _say(log, render_budget(b))
+    if labelled is None:
+        b = compute_budget(model, vram, context, batch, kv_dtype, runtime)
+        _say(log, render_budget(b))
+        budgets = [b.weight_budget_bytes]
+    else:
+        b = None
+        budgets = [size for _, size in labelled]
+        _say(log, "file sizes: " + ", ".join(format_bytes(size) for size in budgets) + " (each artifact whole, "
+             "metadata and tokenizer included; no KV cache or runtime overhead is modelled)")
 
-    reserve = reserve_bytes(source, runtime, scratch_dir=out)
+    reserve = reserve_bytes(source, runtime, scratch_dir=next(p for p in (out, *out.absolute().parents) if p.is_dir()))
     if formats is None:
-        formats = scan_menu(target, source, b.weight_budget_bytes - reserve, scan_method)
+        formats = scan_menu(target, source, min(budgets) - reserve, scan_method)
         _say(log, f"scanning {formats}")
     if group_by is None:
         from .groups import expert_stack
 
         group_by = "tensor" if any(expert_stack(t.name) for t in source.tensors()) else "layer"
+    _refuse_unreachable(source, formats, group_by, min(budgets), reserve)
+    out.mkdir(parents=True, exist_ok=True)
     _say(log, f"\n== 2. scan ({scan_method}, groups per {group_by}, {max_tokens} calibration tokens; resumes "
               f"{out / 'sensitivity.json'})")
     map_path = out / "sensitivity.json"
     sensitivity = scan(model, calibration, max_tokens, formats, group_by, map_path,
                        resume=True, device=device, seq_len=seq_len, progress=progress,
                        log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
-                       method=scan_method,
-                       weight_budgets=[b.weight_budget_bytes] if scan_method == "adaptive" else None)
+                       method=scan_method, weight_budgets=budgets if scan_method == "adaptive" else None)
     for warning in sensitivity["warnings"]:
         _say(log, f"warning: {warning}")
     plot_sensitivity(sensitivity, out / "sensitivity.png")
+    settings = dict(format=format, method=method, calibration=calibration, max_tokens=max_tokens, seq_len=seq_len,
+                    full_check=full_check, check_tokens=check_tokens, device=device, progress=progress,
+                    refine=refine, refine_tokens=refine_tokens)
+    job = _Job(model, source, target, sensitivity, map_path, reserve, settings, log)
+    if labelled is None:
+        info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
+                "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
+        delivered = _deliver(job, out, b.weight_budget_bytes, info, b)
+        _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {Path(delivered['artifact']).name}, report.md, "
+                  "sensitivity.png, frontier.png")
+        return {"out": str(out), "budget": b.to_dict(), **delivered}
+    delivered = []
+    for label, size in labelled:
+        _say(log, f"\n==== {label}: the best {target.artifact} of at most {format_bytes(size)}")
+        (out / label).mkdir(exist_ok=True)
+        delivered.append({"size_bytes": size, "out": str(out / label),
+                          **_deliver(job, out / label, size, {"file_size_bytes": size}, None)})
+    _say(log, f"\n-> {out}: sensitivity.json, sensitivity.png and " + ", ".join(label for label, _ in labelled))
+    return {"out": str(out), "sizes": delivered}
 
+
+def _refuse_unreachable(source, formats: str, group_by: str, budget: int, reserve: int) -> None:
+    """Refuse, before any work, a budget that no recipe over `formats` fits (plan's own message)."""
+    from .budget import no_fit_message
+    from .formats import parse_formats
+    from .scan import scan_groups
+
+    menu = parse_formats(formats)
+    least = reserve + sum(min(sum(f.tensor_bytes(t.name, t.shape) for t in g.tensors) for f in menu)
+                          for g in scan_groups(source, group_by))
+    if budget < least:
+        raise CardfitError(no_fit_message(budget, least), "raise --vram or --size, lower --context, or allow "
+                           "smaller --formats")
+
+
+def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
+    """Stages 3-5 into `out` for one budget (a whole artifact's bytes): plan, pack, check and the report,
+    each skipped where `out`'s fit.json says it is already done for this recipe."""
+    from .atomic import write_json, write_text
+    from .pack import pack, render_pack
+    from .plan import Problem, frontier, plan, render_recipe
+    from .plots import plot_frontier
+
+    settings, log = job.settings, job.log
+    state_path = out / "fit.json"
+    state = _read_state(state_path)
     _say(log, "\n== 3. plan")
-    info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
-            "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
-    recipe = plan(map_path, b.weight_budget_bytes, budget_info=info, reserve_bytes=reserve)
-    if refine:
-        recipe = _refined(recipe, sensitivity, state, state_path, out, model, calibration, refine_tokens or 4 * max_tokens,
-                          device, log)
+    recipe = plan(job.map_path, budget, budget_info=info, reserve_bytes=job.reserve)
+    if settings["refine"]:
+        recipe = _refined(recipe, job.sensitivity, state, state_path, out, job.model, settings["calibration"],
+                          settings["refine_tokens"] or 4 * settings["max_tokens"], settings["device"], log)
     write_json(out / "recipe.json", recipe)
     _say(log, render_recipe(recipe))
-    problem = Problem.from_map(sensitivity)
+    problem = Problem.from_map(job.sensitivity)
     points = frontier(problem)
     write_json(out / "frontier.json", {"points": points, "uniform_bytes": recipe["uniform_bytes"]})
     plot_frontier(points, problem, out / "frontier.png", chosen=(recipe["bytes"], recipe["predicted_damage"]))
 
     _say(log, "\n== 4. pack")
-    artifact = out / target.artifact_name
+    artifact = out / job.target.artifact_name
     recipe_hash = content_hash(recipe)
     if artifact.exists() and state.get("packed_from") == recipe_hash and state.get("pack"):
         packed = state["pack"]
         _say(log, f"{artifact} is already packed from this recipe; skipped")
     else:
-        packed = pack(recipe, model, artifact, format, method, calibration, max_tokens, seq_len, force=True,
-                      device=device, progress=progress)
+        packed = pack(recipe, job.model, artifact, settings["format"], settings["method"], settings["calibration"],
+                      settings["max_tokens"], settings["seq_len"], force=True, device=settings["device"],
+                      progress=settings["progress"])
         state.update({"packed_from": recipe_hash, "pack": packed, "check": None})
         write_json(state_path, state)
         _say(log, render_pack(packed))
 
     checked = state.get("check")
-    if full_check and not (checked and checked.get("packed_from") == recipe_hash):
+    if settings["full_check"] and not (checked and checked.get("packed_from") == recipe_hash):
         from .check import check, render_check
 
         _say(log, "\n== 5. check (full, against the reference)")
-        checked = check(artifact, model or "default", None, check_tokens, seq_len,
-                        predicted_damage=recipe["predicted_damage"], device=device)
+        checked = check(artifact, job.model or "default", None, settings["check_tokens"], settings["seq_len"],
+                        predicted_damage=recipe["predicted_damage"], device=settings["device"])
         checked["packed_from"] = recipe_hash
         state["check"] = checked
         write_json(state_path, state)
@@ -195,11 +281,9 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         _say(log, render_check(checked))
         if checked["verdict"] != "pass":
             raise CardfitError(f"{artifact} failed its check: " + "; ".join(checked["reasons"]),
-                               "do not ship it; raise --vram or inspect the recipe")
-    write_text(out / "report.md", render_report(b, sensitivity, recipe, packed, checked, artifact))
-    _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {artifact.name}, report.md, sensitivity.png, frontier.png")
-    return {"out": str(out), "budget": b.to_dict(), "recipe": recipe, "pack": packed, "check": checked,
-            "artifact": str(artifact)}
+                               "do not ship it; raise --vram or --size, or inspect the recipe")
+    write_text(out / "report.md", render_report(b, job.sensitivity, recipe, packed, checked, artifact, budget))
+    return {"recipe": recipe, "pack": packed, "check": checked, "artifact": str(artifact)}
 
 
 def _refined(recipe, sensitivity, state, state_path, out, model, calibration, tokens, device, log) -> dict:
@@ -222,17 +306,21 @@ def _refined(recipe, sensitivity, state, state_path, out, model, calibration, to
     return refined
 
 
-def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dict | None, artifact: Path) -> str:
-    """report.md: what was fitted, how, and what it measurably cost."""
+def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dict | None, artifact: Path,
+                  budget: int | None = None) -> str:
+    """report.md: what was fitted, how, and what it measurably cost. `b` None: fitted to a file size, `budget`."""
     from .plan import stored_types
 
     formats = sensitivity["formats"]
+    if b is None:
+        ceiling = [f"| file size | {format_bytes(budget)} (the whole artifact, metadata included) |"]
+    else:
+        ceiling = [f"| VRAM | {format_bytes(b.vram_bytes)} |",
+                   f"| KV cache ({b.context} tokens x {b.batch}, {b.kv_dtype}) | {format_bytes(b.kv_bytes)} |",
+                   f"| runtime overhead ({b.runtime}) | {format_bytes(b.overhead_bytes)} |",
+                   f"| weight budget | {format_bytes(b.weight_budget_bytes)} |"]
     lines = [f"# cardfit report: {sensitivity['model']['name']}", "",
-             "## Budget", "", "| | |", "|---|---|",
-             f"| VRAM | {format_bytes(b.vram_bytes)} |",
-             f"| KV cache ({b.context} tokens x {b.batch}, {b.kv_dtype}) | {format_bytes(b.kv_bytes)} |",
-             f"| runtime overhead ({b.runtime}) | {format_bytes(b.overhead_bytes)} |",
-             f"| weight budget | {format_bytes(b.weight_budget_bytes)} |", "",
+             "## Budget", "", "| | |", "|---|---|", *ceiling, "",
              "## Recipe", "",
              f"Exact optimum (MILP, gap {recipe['solver']['optimality_gap']}): {format_bytes(recipe['bytes'])} of "
              f"tensors + {format_bytes(recipe['reserved_bytes'])} reserved for file metadata, margin "

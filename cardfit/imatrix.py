@@ -14,6 +14,7 @@ embedding and has none either.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,9 @@ def gguf_tensor_names(source: ModelSource) -> dict[str, str]:
 
 def collect_imatrix(model: str | Path | None = None, calibration: str | Path | None = None, max_tokens: int = 8192,
                     seq_len: int = 512, out: str | Path = "imatrix.gguf", device: str = "auto",
-                    progress: bool = True) -> dict:
-    """Run the calibration text through the model one layer at a time and write llama.cpp's imatrix."""
+                    progress: bool = True, log=None) -> dict:
+    """Run the calibration text through the model one layer at a time and write llama.cpp's imatrix; `log`
+    hears what it will do and, once the first layer is done, how long the rest should take."""
     import gguf
     from transformers import AutoTokenizer
 
@@ -71,6 +73,9 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
         from tqdm import tqdm
 
         bar = tqdm(total=layers, unit="layer", dynamic_ncols=True, disable=None)
+    if log:
+        log(f"imatrix: {tokens} tokens ({chunks.shape[0]} chunks of {chunks.shape[1]}) through {layers} layers")
+    began = time.perf_counter()
     for index in range(layers):
         for hf_name, cal in calib.statistics(index).items():
             if hf_name in names and cal.imatrix is not None:
@@ -78,6 +83,10 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
                 sums = (cal.imatrix.to(torch.float64) * cal.tokens).numpy().astype(np.float32)
                 rows.setdefault(names[hf_name], {})[stack[1] if stack else 0] = (sums, cal.tokens)
         calib.advance(index)
+        if log and index == 0 and layers > 1:
+            first = time.perf_counter() - began
+            log(f"the first layer took {first:.1f} s: about {_duration(first * (layers - 1))} for the other "
+                f"{layers - 1} layers")
         if bar:
             bar.update(1)
     if bar:
@@ -105,6 +114,10 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
         writer.close()
     return {"imatrix": str(out), "entries": len(rows), "tokens": tokens, "unvisited": calib.unvisited,
             "chunks": int(chunks.shape[0]), "chunk_size": int(chunks.shape[1]), "dataset": text_path.name}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"
 
 
 class ImatrixFile:

@@ -12,7 +12,9 @@ The token embedding is a lookup, so its input is one-hot: a row weighs by how of
 token occurs in the calibration text (and, when tied, also as the head, by the final norm's mean x²).
 
 Cost: one walk of the calibration tokens through the unquantized model, layer by layer (the
-imatrix collection), plus one quantization per cell; no forward pass per cell. Its units are
+imatrix collection), plus one quantization per cell and distinct rounding; no forward pass per cell. A large
+matrix whose rounding treats each row apart (`Format.rows_apart`: every ggml type, RTN or imatrix) is
+priced from a seeded sample of its rows (sampling.py), the imatrix unchanged since rows keep their columns. Its units are
 squared activations, not nats: cells rank within one map and plan as they are, but are not KL.
 """
 
@@ -22,6 +24,7 @@ import torch
 
 from .formats import Calibration, Format
 from .groups import EMBED, LM_HEAD
+from .sampling import sampled_or_whole, scale_guide, units_wanted, values_rounded, worth_sampling
 
 METRIC = "E||dW x||^2 per token (imatrix-weighted squared weight error), summed over the group's matrices"
 
@@ -30,14 +33,7 @@ def weighted_error(original: torch.Tensor, quantized: torch.Tensor, column_weigh
                    row_weight: torch.Tensor | None = None) -> float:
     """Σ_ij r_i c_j (Q(W) - W)_ij² in float64 sums: c = mean x² per input column (a matmul's imatrix),
     r = how often each row is looked up (an embedding's token frequencies); absent weights are 1."""
-    delta = quantized.to(torch.float32) - original.to(torch.float32)
-    square = delta * delta
-    if column_weight is not None:
-        square = square * column_weight.to(square.device, torch.float32)
-    per_row = square.sum(1, dtype=torch.float64)
-    if row_weight is not None:
-        per_row = per_row * row_weight.to(per_row.device, torch.float64)
-    return float(per_row.sum())
+    return float(row_errors(original, quantized, column_weight, row_weight).sum())
 
 
 def token_frequencies(chunks: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -64,12 +60,8 @@ def weight_cells(source, chunks: torch.Tensor, groups: list, todo: list, roundin
     cells: dict[tuple[int, str], float] = {}
 
     def price(index: int, statistics) -> None:
-        group = groups[index]
-        priced = {}
-        for fmt in pending[index]:
-            priced[fmt.name] = sum(_tensor_error(source, t, fmt, rounding, statistics) for t in group.quantizable
-                                   if fmt.storage(t.name, t.shape) != "F32")
-            cells[(index, fmt.name)] = priced[fmt.name]
+        priced = group_prices(source, groups[index], pending[index], rounding, statistics)
+        cells.update({(index, name): damage for name, damage in priced.items()})
         if done is not None:
             done(index, priced)
 
@@ -96,6 +88,65 @@ def weight_cells(source, chunks: torch.Tensor, groups: list, todo: list, roundin
     return cells
 
 
+def group_prices(source, group, formats: list[Format], rounding: str, statistics) -> dict[str, float]:
+    """{format: the weight signal of `group` under it}: each tensor read once for all formats, the formats that
+    round it alike (Format.rounding_key) priced once, on a thread per format where the matrix is small; a
+    tensor rounded back onto the grid its source stored it on (ModelSource.origin_types) priced whole."""
+    from .formats.ggml_lib import over_items
+
+    damage = dict.fromkeys((f.name for f in formats), 0.0)
+    for tensor in group.quantizable:
+        weight = source.read(tensor.name)
+        alike: dict[tuple, list[Format]] = {}
+        for fmt in formats:
+            if fmt.storage(tensor.name, tensor.shape) != "F32":
+                alike.setdefault(fmt.rounding_key(tensor.name, tensor.shape, rounding), []).append(fmt)
+        own = source.origin_types().get(tensor.name)
+        errors = over_items(lambda same: tensor_error(tensor, weight, same[0], rounding, statistics,
+                                                      sample=same[0].storage(tensor.name, tensor.shape) != own),
+                            list(alike.values()), values_rounded(weight.numel()))
+        for same, error in zip(alike.values(), errors):
+            for fmt in same:
+                damage[fmt.name] += error
+    return damage
+
+
+def tensor_error(tensor, weight: torch.Tensor, fmt: Format, rounding: str, statistics, sample: bool = True,
+                 seed: int = 0) -> float:
+    """One tensor's weight signal under `fmt`: Σ over the statistics' weightings of the weighted squared
+    rounding error, from a seeded sample of the rows where the matrix is large and the format rounds rows apart,
+    unless the sample cannot decide it (sampling.sampled_or_whole; `sample=False`: always the whole matrix,
+    as bench/sampled_pricing.py compares)."""
+    method = fmt.method_for(rounding)
+    calibration = statistics.rounding(tensor)
+    terms = statistics.weightings(tensor)
+    def whole() -> float:
+        quantized = fmt.roundtrip(tensor.name, weight, calibration, method)
+        return sum(weighted_error(weight, quantized, c, r) for c, r in terms)
+
+    if not (sample and weight.dim() == 2 and worth_sampling(weight.numel()) and fmt.rows_apart(method)):
+        return whole()
+
+    def price(taken: torch.Tensor) -> torch.Tensor:
+        rows = weight[taken]
+        quantized = fmt.roundtrip(tensor.name, rows, calibration, method)
+        return sum(row_errors(rows, quantized, c, None if r is None else r[taken]) for c, r in terms)
+
+    guide = sum(scale_guide(weight, c) * (1.0 if r is None else r.to(torch.float64)) for c, r in terms)
+    return sampled_or_whole(guide, price, units_wanted(weight.shape[0], weight.shape[1]), whole, seed)
+
+
+def row_errors(original: torch.Tensor, quantized: torch.Tensor, column_weight: torch.Tensor | None = None,
+               row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's Σ_j r c_j (Q(W) - W)_j² in float64 (weighted_error before its sum over rows)."""
+    delta = quantized.to(torch.float32) - original.to(torch.float32)
+    square = delta * delta
+    if column_weight is not None:
+        square = square * column_weight.to(square.device, torch.float32)
+    per_row = square.sum(1, dtype=torch.float64)
+    return per_row if row_weight is None else per_row * row_weight.to(per_row.device, torch.float64)
+
+
 class _LayerStatistics:
     """A decoder layer's matrices: their own calibration statistics, for rounding and weighting alike."""
 
@@ -105,9 +156,10 @@ class _LayerStatistics:
     def rounding(self, tensor) -> Calibration | None:
         return self.stats.get(tensor.name)
 
-    def error(self, tensor, weight: torch.Tensor, quantized: torch.Tensor) -> float:
+    def weightings(self, tensor) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """[(column weight, row weight)] whose weighted errors add to the tensor's signal."""
         stats = self.stats[tensor.name]
-        return weighted_error(weight, quantized, stats.imatrix if stats.importance is None else stats.importance)
+        return [(stats.imatrix if stats.importance is None else stats.importance, None)]
 
 
 class _EdgeStatistics:
@@ -121,16 +173,7 @@ class _EdgeStatistics:
     def rounding(self, tensor) -> Calibration | None:
         return self.head if tensor.group == LM_HEAD else None
 
-    def error(self, tensor, weight: torch.Tensor, quantized: torch.Tensor) -> float:
+    def weightings(self, tensor) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         if tensor.group == LM_HEAD:
-            return weighted_error(weight, quantized, self.head.imatrix)
-        error = weighted_error(weight, quantized, row_weight=self.frequencies)
-        if self.tied:
-            error += weighted_error(weight, quantized, self.head.imatrix)
-        return error
-
-
-def _tensor_error(source, tensor, fmt: Format, rounding: str, statistics) -> float:
-    weight = source.read(tensor.name)
-    quantized = fmt.roundtrip(tensor.name, weight, statistics.rounding(tensor), fmt.method_for(rounding))
-    return statistics.error(tensor, weight, quantized)
+            return [(self.head.imatrix, None)]
+        return [(None, self.frequencies)] + ([(self.head.imatrix, None)] if self.tied else [])

@@ -1,6 +1,7 @@
 """fit: the whole job on the embedded model, end to end, and a rerun that skips finished stages."""
 
 import json
+from pathlib import Path
 
 
 def test_fit_leaves_every_artifact(embedded_fit):
@@ -115,3 +116,63 @@ def test_fit_scans_the_sources_own_types_beside_the_default_menu(tiny_model):
     assert scan_menu(target, open_model(tiny_model("llama-wide")), 10**12) == target.default_scan_formats
     assert scan_menu(target, embedded, 10**12, "adaptive") == target.whole_menu
     assert "Q4_1" in target.whole_menu.split(",") and "Q5_1" in target.whole_menu.split(",")
+
+
+def _file_size(source, format_name):
+    from cardfit.formats import get_format
+    from cardfit.pack import reserve_bytes
+    from cardfit.sizes import priced_tensors
+
+    fmt = get_format(format_name)
+    return reserve_bytes(source, "llama.cpp") + sum(fmt.tensor_bytes(t.name, t.shape) for t in priced_tensors(source))
+
+
+def test_fit_size_packs_the_best_file_no_larger_than_each_size_from_one_scan(tiny_models, tmp_path, monkeypatch):
+    """`fit --size A,B`: one map decided at both sizes, then per size its own directory whose GGUF (the whole
+    file) is no larger than the size; the larger size buys no more damage; the report names the file size.
+    (A random model's perplexity is its vocabulary's size: the smoke check's ceiling is not for it.)"""
+    import functools
+
+    from cardfit import pack as pack_module
+    from cardfit.fit import fit
+    from cardfit.sources import open_model, runnable
+
+    monkeypatch.setattr(pack_module, "pack", functools.partial(pack_module.pack, smoke=False))
+
+    model = tiny_models["llama"]
+    source = runnable(open_model(model))
+    low, high = _file_size(source, "Q4_0"), _file_size(source, "Q8_0")
+    sizes = [low + (high - low) // 4, low + 3 * (high - low) // 4]
+    out = tmp_path / "run"
+    summary = fit(model, sizes=f"{sizes[0]},{sizes[1]}", out=out, max_tokens=128, seq_len=32, progress=False,
+                  log=None, device="cpu")
+    runs = summary["sizes"]
+    assert [r["size_bytes"] for r in runs] == sorted(sizes, reverse=True)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [f"size-{s}" for s in sorted(sizes)]
+    scanned = json.loads((out / "sensitivity.json").read_text())
+    assert scanned["adaptive"]["weight_budgets"] == sorted(sizes, reverse=True)
+    for run in runs:
+        gguf = Path(run["artifact"])
+        assert gguf.parent == Path(run["out"]) and gguf.stat().st_size <= run["size_bytes"]
+        assert run["pack"]["file_bytes"] == gguf.stat().st_size
+        assert "| file size |" in (gguf.parent / "report.md").read_text()
+        assert not (gguf.parent / "sensitivity.json").exists()  # one map, at the top
+    assert runs[0]["recipe"]["predicted_damage"] <= runs[1]["recipe"]["predicted_damage"]
+    assert runs[0]["recipe"]["bytes"] > runs[1]["recipe"]["bytes"]
+
+
+def test_fit_size_refuses_a_second_budget_or_a_bad_size_before_any_work(tiny_models, tmp_path, run_cli):
+    out = tmp_path / "run"
+    for args, said in ((["--size", "100MB", "--vram", "1GiB"], "--size and --vram"),
+                       (["--size", ""], "names no size"), (["--size", "1MB,,2MB"], "names no size"),
+                       (["--size", "1MB,1MB"], "twice"), (["--size", "1MB,1000KB"], "twice"),
+                       (["--size", "lots"], "--size")):
+        code, _, err = run_cli("fit", tiny_models["llama"], "--out", out, *args)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert not out.exists()
+
+
+def test_fit_refuses_a_size_no_recipe_reaches_before_the_scan(tiny_models, tmp_path, run_cli):
+    out = tmp_path / "run"
+    code, _, err = run_cli("fit", tiny_models["llama"], "--out", out, "--size", "2KB")
+    assert code == 2 and "minimum achievable is" in err and not out.exists()

@@ -259,6 +259,9 @@ def test_imatrix_file_round_trips_into_the_same_bytes(default_model_dir, tmp_pat
     collecting the statistics inside pack gives, from the same tokens."""
     code, out, err = run_cli("imatrix", "--max-tokens", "512", "--seq-len", "256", "--out", tmp_path / "imatrix.gguf")
     assert code == 0, err
+    said = out.splitlines()  # what it will do, then the rest's time from the first layer's, before the result
+    assert said[0] == "imatrix: 512 tokens (2 chunks of 256) through 30 layers"
+    assert said[1].startswith("the first layer took ") and "for the other 29 layers" in said[1]
     reader = gguf.GGUFReader(str(tmp_path / "imatrix.gguf"))
     assert reader.get_field("general.type").contents() == "imatrix"
     assert reader.get_field("general.architecture") is None

@@ -96,6 +96,36 @@ def test_plan_on_a_real_scan(tiny_models, tmp_path, run_cli):
     assert code == 2 and "minimum achievable is" in err and not (tmp_path / "r2.json").exists()
 
 
+def test_plan_size_is_the_whole_files_and_needs_the_model(tiny_models, tmp_path, run_cli):
+    """`plan --size` budgets the whole file: the model's GGUF header is reserved beside the tensors; without
+    --model, or beside another budget, it is refused in one line and nothing is written."""
+    import json
+
+    from cardfit.pack import reserve_bytes
+    from cardfit.sources import open_model
+
+    from test_scan import run_scan, small_text
+
+    model = tiny_models["llama"]
+    out = tmp_path / "map.json"
+    data = run_scan(model, small_text(tmp_path), out)
+    problem = Problem.from_map(data)
+    reserve = reserve_bytes(open_model(model), "llama.cpp")
+    size = reserve + int((problem.bytes.min(axis=1).sum() + problem.bytes.max(axis=1).sum()) / 2)
+    recipe_path = tmp_path / "r.json"
+    code, _, err = run_cli("plan", out, "--size", str(size), "--model", model, "--out", recipe_path)
+    assert code == 0, err
+    recipe = json.loads(recipe_path.read_text())
+    assert recipe["budget"] == {"weight_budget_bytes": size, "file_size_bytes": size}
+    assert recipe["reserved_bytes"] == reserve and recipe["bytes"] + reserve <= size
+    for args, said in ((["--size", str(size)], "add --model"),
+                       (["--size", str(size), "--model", model, "--weight-budget", "1MiB"], "give one of them"),
+                       (["--size", str(size), "--model", model, "--vram", "1GiB"], "give one of them")):
+        code, _, err = run_cli("plan", out, *args, "--out", tmp_path / "r2.json")
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "r2.json").exists()
+
+
 def test_frontier_plot_renders(tmp_path):
     from cardfit.plots import plot_frontier
 

@@ -202,3 +202,125 @@ def test_adaptive_recipe_equals_the_exact_recipe_on_the_embedded_model(default_m
         got = [g["format"] for g in plan(tmp_path / "adaptive.json", budget, reserve_bytes=reserve)["groups"]]
         assert got == want, budget
     assert adaptive["adaptive"]["exact_cells"] <= 0.6 * cells  # 102 of 192; choices ± a byte-step took 153
+
+
+def _imatrix_matrix(rows, columns, seed=0):
+    """A weight with outlier columns and an imatrix with a heavy tail, as real layers have."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, columns, generator=g) * 0.02
+    weight[:, ::97] *= 8
+    weight[::13] *= 3
+    imatrix = torch.rand(columns, generator=g) ** 4 + 1e-3
+    return weight, imatrix
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K",
+                                       "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XXS", "IQ1_S"])
+def test_rows_cut_from_a_matrix_round_as_inside_it_with_an_imatrix(type_name):
+    """The premise of pricing from a sample of rows: ggml rounds every row apart from the others, its
+    importance matrix per column, so rows cut out come back the same bits, for every type."""
+    from cardfit.formats.base import Calibration
+
+    fmt = get_format(type_name)
+    assert fmt.rows_apart("imatrix") and not fmt.rows_apart("awq")
+    weight, imatrix = _imatrix_matrix(24, 512)
+    calibration = Calibration(imatrix=imatrix)
+    whole = fmt.roundtrip("blk.w", weight, calibration, "imatrix")
+    picked = torch.tensor([0, 3, 4, 13, 23])
+    assert torch.equal(fmt.roundtrip("blk.w", weight[picked], calibration, "imatrix"), whole[picked])
+
+
+class _Columns:
+    def __init__(self, imatrix, rows=None):
+        self.imatrix, self.rows = imatrix, rows
+
+    def rounding(self, tensor):
+        from cardfit.formats.base import Calibration
+
+        return Calibration(imatrix=self.imatrix)
+
+    def weightings(self, tensor):
+        return [(self.imatrix, None)] + ([(None, self.rows)] if self.rows is not None else [])
+
+
+class _Tensor:
+    name, group = "model.layers.0.mlp.down_proj.weight", "layers.0"
+
+
+def test_a_sample_of_every_row_is_the_whole_price(monkeypatch):
+    from cardfit import sampling
+    from cardfit.weight_signal import tensor_error
+
+    weight, imatrix = _imatrix_matrix(256, 1024)
+    rows = torch.rand(256, dtype=torch.float64)
+    stats = _Columns(imatrix, rows)
+    fmt = get_format("IQ3_XXS")
+    whole = tensor_error(_Tensor, weight, fmt, "imatrix", stats, sample=False)
+    quantized = fmt.roundtrip(_Tensor.name, weight, stats.rounding(_Tensor), "imatrix")
+    assert whole == pytest.approx(weighted_error(weight, quantized, imatrix)
+                                  + weighted_error(weight, quantized, row_weight=rows), rel=1e-9)
+    monkeypatch.setattr(sampling, "SAMPLE_SHARE", 1)
+    monkeypatch.setattr(sampling, "SAMPLE_FLOOR", 1 << 10)
+    assert tensor_error(_Tensor, weight, fmt, "imatrix", stats) == pytest.approx(whole, rel=1e-9)
+
+
+@pytest.mark.parametrize("type_name", ["IQ3_XXS", "IQ2_XXS", "Q4_K", "Q8_0", "Q2_K"])
+def test_a_sixteenth_of_the_rows_prices_the_matrix_within_a_few_percent(type_name, monkeypatch):
+    """One row in sixteen, drawn where its imatrix-weighted error is expected and weighted by the inverse of
+    its chance, prices the whole within 5 % under several draws; the draws differ by seed."""
+    from cardfit import sampling
+    from cardfit.weight_signal import tensor_error
+
+    weight, imatrix = _imatrix_matrix(2048, 1024)
+    monkeypatch.setattr(sampling, "SAMPLE_FLOOR", 1 << 14)  # so 1/16 of this matrix is what is drawn
+    monkeypatch.setattr(sampling, "MAX_RELATIVE_ERROR", float("inf"))  # never the whole: the sample alone
+    fmt, stats = get_format(type_name), _Columns(imatrix)
+    whole = tensor_error(_Tensor, weight, fmt, "imatrix", stats, sample=False)
+    estimates = [tensor_error(_Tensor, weight, fmt, "imatrix", stats, seed=seed) for seed in range(4)]
+    assert all(abs(e / whole - 1) < 0.05 for e in estimates), (whole, estimates)
+    assert len(set(estimates)) == 4
+    monkeypatch.setattr(sampling, "MAX_RELATIVE_ERROR", 0.02)
+    drawn = []
+    monkeypatch.setattr(sampling, "sampled_total", lambda *a, t=sampling.sampled_total, **k: drawn.append(t(*a, **k))
+                        or drawn[-1])
+    priced = tensor_error(_Tensor, weight, fmt, "imatrix", stats)
+    (estimate, error), = drawn  # the draw's stated error decides: its estimate, or the whole matrix's price
+    assert estimate == estimates[0] and priced == (estimate if error <= 0.02 * estimate else whole)
+
+
+def test_a_matrix_the_sample_cannot_decide_is_priced_whole(monkeypatch):
+    """A tensor stored on a grid and re-rounded onto it costs ~0 but in a few rows; a sample catches or misses
+    them, its stated error says so, and the whole matrix is priced instead (exactly)."""
+    from cardfit import sampling
+    from cardfit.weight_signal import tensor_error
+
+    weight, imatrix = _imatrix_matrix(2048, 1024)
+    fmt, stats = get_format("Q4_0"), _Columns(imatrix)
+    weight = fmt.roundtrip(_Tensor.name, weight)  # already on Q4_0's grid ...
+    weight[[7, 900, 1500]] += 0.05 * torch.randn(3, 1024)  # ... but for three rows
+    monkeypatch.setattr(sampling, "SAMPLE_FLOOR", 1 << 14)
+    whole = tensor_error(_Tensor, weight, fmt, "rtn", stats, sample=False)
+    assert tensor_error(_Tensor, weight, fmt, "rtn", stats) == whole
+    guide = sampling.scale_guide(weight, imatrix)
+    estimate, error = sampling.sampled_total(guide, lambda taken: 3 * guide[taken], 128)
+    assert estimate == pytest.approx(3 * float(guide.sum())) and error < 1e-9 * estimate  # what the guide predicts
+
+
+def test_the_weight_scan_prices_large_matrices_from_a_sample_of_rows(tiny_models, tmp_path, monkeypatch):
+    """With the floor lowered below the tiny model's matrices, every weight cell comes from a sample of rows
+    and stays within a few percent of the whole round trips'."""
+    from cardfit import sampling
+    from cardfit import weight_signal
+
+    model, text = tiny_models["qwen2"], small_text(tmp_path)
+    whole = run_scan(model, text, tmp_path / "whole.json", method="weight", rounding="imatrix")
+    calls = []
+    sampled_total = sampling.sampled_total
+    monkeypatch.setattr(sampling, "SAMPLE_FLOOR", 1 << 11)
+    monkeypatch.setattr(sampling, "sampled_total",
+                        lambda guide, *a, **k: calls.append(len(guide)) or sampled_total(guide, *a, **k))
+    drawn = run_scan(model, text, tmp_path / "drawn.json", method="weight", rounding="imatrix")
+    assert calls
+    for w, d in zip(whole["groups"], drawn["groups"]):
+        for f, cell in w["cells"].items():
+            assert d["cells"][f]["damage"] == pytest.approx(cell["damage"], rel=0.1, abs=1e-12), (w["name"], f)

@@ -61,6 +61,11 @@ class Format:
         caller rounds it once for all of them (tests/test_fisher.py)."""
         return type(self), self.storage(name, shape), self.method_for(requested)
 
+    def rows_apart(self, method: str) -> bool:
+        """Whether `method` rounds each row of a matrix apart from the others, so a subset of the rows comes back
+        exactly as inside the whole (what lets a signal price a large matrix from a sample of its rows)."""
+        return False
+
     def methods(self) -> tuple[str, ...]:
         """The roundings this format takes, its default first."""
         return ("rtn",)

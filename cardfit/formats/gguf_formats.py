@@ -119,6 +119,10 @@ class GgmlFormat(Format):
     def methods(self) -> tuple[str, ...]:
         return ("imatrix",) if self.needs_imatrix else ("rtn", "imatrix", "awq")
 
+    def rows_apart(self, method: str) -> bool:
+        """ggml quantizes row by row (its imatrix is per column); AWQ's scale search spans the matrix."""
+        return method in ("rtn", "imatrix")
+
     def quantize(self, name: str, weight: torch.Tensor, calibration: Calibration | None = None,
                  method: str = "rtn") -> tuple[str, np.ndarray]:
         """(storage type, raw bytes) exactly as llama.cpp's quantize would write them."""

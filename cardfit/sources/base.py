@@ -188,6 +188,27 @@ class ModelSource:
 
     origins: tuple = ()  # files this model was converted from (a GGUF): read, never written
 
+    def origin_types(self) -> dict[str, str]:
+        """Matrix name -> the ggml type it was stored as in the GGUF this model was converted from (empty for a
+        model that came unquantized): rounding a tensor back onto that grid costs ~0 but in a few blocks."""
+        if not self.origins:
+            return {}
+        if getattr(self, "_origin_types", None) is None:
+            from ..pack.gguf_arch import ArchSpec
+            from .gguf_file import GgufSource
+
+            stored = {t.name: t.dtype for t in GgufSource(self.origins[0]).tensors()}
+            spec = ArchSpec.for_config(self.config)
+            named = {}
+            for t in self.tensors():
+                if len(t.shape) >= 2:
+                    try:
+                        named[t.name] = stored.get(spec.tensor_name(t.name))
+                    except CardfitError:  # a tensor llama.cpp has no name for: nothing known of its grid
+                        continue
+            self._origin_types = {name: dtype for name, dtype in named.items() if dtype is not None}
+        return self._origin_types
+
     def source_types(self) -> dict[str, list[str]]:
         """What each group's matrices are stored as where this model came from, most bytes first: the
         ggml types of the GGUF it was converted from (the grid its "f16" reference really sits on), or
