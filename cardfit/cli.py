@@ -236,12 +236,13 @@ def plan_command(
     else:
         raise CardfitError("no budget given", "pass --size FILE_SIZE --model M, --weight-budget BYTES or --vram "
                            "SIZE --context N")
-    from .paths import guard_output, input_paths
+    from .paths import distinct_outputs, guard_output, input_paths
 
     reads = {"the map": input_paths(map_path), "the model": input_paths(model), "the config": input_paths(config)}
     for flag, path in (("--out", out), ("--frontier", frontier_out), ("--plot", plot)):
         if path:
             guard_output(path, reads, flag=flag)
+    distinct_outputs({"--out": out, "--frontier": frontier_out, "--plot": plot})
     fmts = [f.name for f in parse_formats(formats)] if formats else None
     pins, floors = parse_assignments(pin, "--pin"), parse_assignments(floor, "--floor")
     reserve = 0

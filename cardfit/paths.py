@@ -32,11 +32,19 @@ def input_paths(path: str | Path | None) -> list[Path]:
     if path is None:
         return []
     path = Path(path).expanduser()
-    out = [path.absolute(), path.resolve()]
+    out = [path.absolute(), _followed(path)]
     if path.is_dir():
         for entry in path.iterdir():
-            out += [entry.absolute(), entry.resolve()]
+            out += [entry.absolute(), _followed(entry)]
     return out
+
+
+def _followed(path: Path) -> Path:
+    """The path with its links followed, or as written where they loop (its reader then says so)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        return path.absolute()
 
 
 def model_paths(source) -> list[Path]:
@@ -45,6 +53,29 @@ def model_paths(source) -> list[Path]:
     for extra in getattr(source, "origins", ()):
         paths += input_paths(extra)
     return paths
+
+
+def resolved_output(out: str | Path, flag: str = "--out") -> Path:
+    """`out` with every link followed; a path whose links loop is refused in one line (Path.resolve raises)."""
+    try:
+        return Path(out).expanduser().resolve()
+    except (RuntimeError, OSError) as exc:
+        raise CardfitError(f"{flag} {out} cannot be followed to a place ({exc})",
+                           f"name a path without a symlink loop ({flag} another path)") from None
+
+
+def distinct_outputs(outputs: dict[str, str | Path | None]) -> None:
+    """Refuse two outputs of one command that are the same place (`plan --out X --frontier X` would keep only
+    the last file written); `outputs` maps each flag to its path, None where not given."""
+    seen: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        place = resolved_output(path, flag)
+        if place in seen:
+            raise CardfitError(f"{seen[place]} and {flag} are the same file ({path}): one would overwrite the other",
+                               f"give {flag} another path")
+        seen[place] = flag
 
 
 def guard_output(out: str | Path, inputs: dict[str, list[Path]], kind: str = "file", flag: str = "--out",
@@ -56,7 +87,10 @@ def guard_output(out: str | Path, inputs: dict[str, list[Path]], kind: str = "fi
     files named in `writes` into, leaving the rest alone)."""
     given = Path(out).expanduser()
     target = given.absolute()
-    resolved = given.resolve()
+    resolved = resolved_output(out, flag)
+    if kind == "file" and str(out).endswith(("/", os.sep)):
+        raise CardfitError(f"{flag} {out} ends in '/', a directory, and a file is written there",
+                           f"name a file, e.g. {flag} {given / 'out.json'}")
     if kind == "file" and given.is_dir():
         raise CardfitError(f"{flag} {out} is a directory, and a file is written there",
                            f"name a file, e.g. {flag} {given / 'out'}")

@@ -10,7 +10,11 @@ scanning per tensor for vLLM) with equality constraints — constraints, not fix
 
 from __future__ import annotations
 
+import ctypes
 import fnmatch
+import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +152,26 @@ class Solution:
     gap: float
 
 
+@contextmanager
+def solver_quiet():
+    """File descriptor 1 points at /dev/null for the block: HiGHS prints debug lines from C++ straight to it
+    whatever its options (`HighsMipSolverData::transformNewIntegerFeasibleSolution ...`). C's buffers are
+    flushed on both sides, so nothing of it reaches the terminal later; another thread's writes to the
+    descriptor during the block (a solve takes milliseconds to a second) are lost with it."""
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _solve(problem: Problem, budget: int | None, objective: str = "damage") -> Solution | None:
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -171,8 +195,9 @@ def _solve(problem: Problem, budget: int | None, objective: str = "damage") -> S
             lo += [0.0] * F
             hi += [0.0] * F
     upper = problem.allowed.reshape(-1).astype(float)
-    result = milp(cost, integrality=np.ones(n), bounds=Bounds(np.zeros(n), upper),
-                  constraints=LinearConstraint(vstack(rows).tocsr(), lo, hi), options={"mip_rel_gap": 0.0})
+    with solver_quiet():
+        result = milp(cost, integrality=np.ones(n), bounds=Bounds(np.zeros(n), upper),
+                      constraints=LinearConstraint(vstack(rows).tocsr(), lo, hi), options={"mip_rel_gap": 0.0})
     if result.status != 0 or result.x is None:
         return None
     x = np.round(result.x).reshape(G, F).astype(bool)

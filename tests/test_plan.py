@@ -180,3 +180,18 @@ def test_recipe_says_what_is_stored(tiny_model, calib_text, tmp_path):
     assert [(g["name"], g["format"], g["bytes"]) for g in old["groups"]] == \
         [(g["name"], g["format"], g["bytes"]) for g in recipe["groups"]]
     assert "downgrades from Q8_0" in render_recipe(old)
+
+
+def test_the_solver_is_quiet_and_the_terminal_is_not(capfd):
+    """What C code prints to descriptor 1 inside solver_quiet (HiGHS's debug lines) never reaches the terminal,
+    even from C's buffer; what is printed before and after it does."""
+    import ctypes
+
+    from cardfit.plan import solver_quiet
+
+    libc = ctypes.CDLL(None)
+    print("before", flush=True)
+    with solver_quiet():
+        libc.printf(b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+    print("after", flush=True)
+    assert capfd.readouterr().out == "before\nafter\n"

@@ -287,3 +287,78 @@ def test_a_cache_entry_renamed_in_between_check_and_rename_is_kept(tmp_path, mon
     assert (target / "who").read_text() == "theirs" and not list(tmp_path.glob(".*.part"))
     with pytest.raises(OSError), atomic.atomic_directory(tmp_path / "output") as tmp:
         (tmp / "who").write_text("ours")
+
+
+# -- output paths, fuzzed ------------------------------------------------------------------------------
+
+_PLACES = ("fresh", "fresh-slash", "existing-dir", "existing-dir-slash", "loop", "link-to-dir", "link-to-file",
+           "the-map", "inside-map-dir", "dangling-link")
+
+
+@pytest.fixture(scope="module")
+def planned_map(tiny_models, tmp_path_factory):
+    from test_scan import run_scan, small_text
+
+    root = tmp_path_factory.mktemp("fuzz-plan")
+    out = root / "inputs" / "map.json"
+    out.parent.mkdir()
+    data = run_scan(tiny_models["llama"], small_text(root), out)
+    sizes = [sum(g["bytes"][f] for g in data["groups"]) for f in data["formats"]]
+    return out, (min(sizes) + max(sizes)) // 2
+
+
+def _place(root: Path, kind: str, the_map: Path, name: str) -> str:
+    """An output path of the given kind under `root` (made fresh for each example)."""
+    path = root / name
+    if kind in ("existing-dir", "existing-dir-slash"):
+        path.mkdir()
+    elif kind == "loop":
+        os.symlink(root / f"{name}-b", path)
+        os.symlink(path, root / f"{name}-b")
+    elif kind == "link-to-dir":
+        (root / f"{name}-target").mkdir()
+        os.symlink(root / f"{name}-target", path)
+    elif kind == "link-to-file":
+        (root / f"{name}-target").write_text("keep")
+        os.symlink(root / f"{name}-target", path)
+    elif kind == "dangling-link":
+        os.symlink(root / f"{name}-nowhere" / "x", path)
+    elif kind == "the-map":
+        return str(the_map)
+    elif kind == "inside-map-dir":
+        return str(the_map.parent / name)
+    return str(path) + ("/" if kind.endswith("slash") else "")
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p): (p.is_symlink(), p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(out=st.sampled_from(_PLACES), frontier=st.sampled_from(_PLACES + ("none", "same-as-out")))
+def test_plan_outputs_fuzzed_keep_the_promise(planned_map, tmp_path_factory, run_cli, out, frontier):
+    """plan's --out and --frontier as every kind of place (links, loops, slashes, each other, the map): either
+    exit 0 with both files whole where asked, or one line and exit 2 with nothing created and the map as it was."""
+    the_map, budget = planned_map
+    root = tmp_path_factory.mktemp("outs")
+    out_path = _place(root, out, the_map, "recipe.json")
+    args = ["plan", the_map, "--weight-budget", str(budget), "--out", out_path]
+    if frontier != "none":
+        args += ["--frontier", out_path if frontier == "same-as-out" else _place(root, frontier, the_map, "front.json")]
+    before, map_before = _snapshot(root), the_map.read_bytes()
+    inputs_before = _snapshot(the_map.parent)
+    code, _, err = run_cli(*args)
+    assert the_map.read_bytes() == map_before
+    assert "Traceback" not in err
+    if code == 0:
+        written = Path(out_path)
+        assert written.is_file() and json.loads(written.read_text())["cardfit_recipe"] == 1, (out, frontier)
+        if frontier not in ("none",):
+            front = Path(args[args.index("--frontier") + 1])
+            assert front.is_file() and "points" in json.loads(front.read_text()), (out, frontier)
+            assert front.resolve() != written.resolve()
+    else:
+        assert code == 2 and len(err.strip().splitlines()) == 1, (out, frontier, err)
+        assert _snapshot(root) == before and _snapshot(the_map.parent) == inputs_before, (out, frontier)
