@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from .compare import DEFAULT_BASELINES, DEFAULT_PRESETS, I_QUANT_PRESETS
+from .locks import holding
 from .errors import CardfitError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -169,11 +170,12 @@ def scan_command(
 
     cap = parse_bytes(memory_cap, "--memory-cap") if memory_cap else None
     gpu = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
-    budgets = [parse_bytes(b, "--weight-budget") for b in weight_budget.split(",")] if weight_budget else None
-    result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding, seq_len,
-                  batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
-                  log=typer.echo, estimate=estimate, ray=ray, workers=workers, shared_dir=shared_dir,
-                  weight_budgets=budgets, signal=signal)
+    budgets = [parse_bytes(b, "--weight-budget/--size") for b in weight_budget.split(",")] if weight_budget else None
+    with holding({"--out": None if estimate else out}, "scan"):
+        result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding,
+                      seq_len, batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
+                      log=typer.echo, estimate=estimate, ray=ray, workers=workers, shared_dir=shared_dir,
+                      weight_budgets=budgets, signal=signal)
     if estimate:
         if result["estimate"] is None:
             typer.echo(f"{out} is complete: nothing to measure")
@@ -190,8 +192,9 @@ def plan_command(
     map_path: str = typer.Argument(..., metavar="MAP", help="sensitivity.json from cardfit scan."),
     out: str = typer.Option("recipe.json", help="Where the recipe is written."),
     weight_budget: Optional[str] = typer.Option(None, help="Weight budget directly (bytes or units)."),
-    size: Optional[str] = typer.Option(None, help="Or: the whole file's size (needs --model, whose metadata and "
-                                                  "tokenizer it reserves)."),
+    size: Optional[str] = typer.Option(None, help="Or: the artifact's size (needs --model: a GGUF's header and "
+                                                  "tokenizer are reserved from it; compressed-tensors counts "
+                                                  "tensors)."),
     vram: Optional[str] = typer.Option(None, help="Or: the card's memory; the budget is derived as in `budget`."),
     context: int = typer.Option(8192, help="With --vram: context length."),
     batch: int = typer.Option(1, min=1, help="With --vram: concurrent sequences."),
@@ -256,7 +259,8 @@ def plan_command(
         check_map_model(data, source)
         reserve = reserve_bytes(source, data.get("runtime", "llama.cpp"))
     recipe = plan(map_path, budget_bytes, fmts, pins, floors, info, reserve_bytes=reserve, runtime=runtime)
-    with atomic_paths(out, frontier_out, plot) as (out_tmp, frontier_tmp, plot_tmp):  # all three or none
+    with holding({"--out": out, "--frontier": frontier_out, "--plot": plot}, "plan"), \
+            atomic_paths(out, frontier_out, plot) as (out_tmp, frontier_tmp, plot_tmp):  # all three or none
         write_json(out_tmp, recipe)
         if frontier_out or plot:
             problem = Problem.from_map(read_map(map_path), fmts, pins, floors, runtime)
@@ -326,9 +330,10 @@ def pack_command(
     from .pack import pack, render_pack
     from .units import parse_bytes
 
-    report = pack(recipe, model, out, format, method, calibration, max_tokens, force=force, device=device,
-                  gpu_memory=parse_bytes(gpu_memory, '--gpu-memory') if gpu_memory else None,
-                  smoke=smoke, ceiling=ceiling, imatrix=imatrix)
+    with holding({"--out": out}, "pack"):
+        report = pack(recipe, model, out, format, method, calibration, max_tokens, force=force, device=device,
+                      gpu_memory=parse_bytes(gpu_memory, '--gpu-memory') if gpu_memory else None,
+                      smoke=smoke, ceiling=ceiling, imatrix=imatrix)
     typer.echo(json.dumps(report, indent=2) if as_json else render_pack(report))
 
 
@@ -344,7 +349,8 @@ def imatrix_command(
     """llama.cpp's importance matrix, streamed one layer at a time: for pack --imatrix or llama-quantize."""
     from .imatrix import collect_imatrix
 
-    result = collect_imatrix(model, calibration, max_tokens, seq_len, out, device, log=typer.echo)
+    with holding({"--out": out}, "imatrix"):
+        result = collect_imatrix(model, calibration, max_tokens, seq_len, out, device, log=typer.echo)
     typer.echo(f"imatrix of {result['entries']} matrices over {result['tokens']} tokens "
                f"({result['chunks']} chunks of {result['chunk_size']}) -> {result['imatrix']}")
     from .calibrate import unvisited_warning
@@ -412,9 +418,9 @@ def _fit_menu(artifact: str) -> str:
 def fit_command(
     model: Optional[str] = typer.Argument(None, help="Model directory, .gguf or cached hub id (default: the embedded model)."),
     vram: Optional[str] = typer.Option(None, help="The card's memory (default for the embedded model: 768MiB)."),
-    size: Optional[str] = typer.Option(None, help="Instead of --vram: file sizes, SIZE[,SIZE...] (e.g. "
-                                       "900MB,1.2GB): one scan, then the best artifact no larger than each size, "
-                                       "each in DIR/size-SIZE/."),
+    size: Optional[str] = typer.Option(None, help="Instead of --vram: sizes, SIZE[,SIZE...] (e.g. 900MB,1.2GB): "
+                                       "one scan, then the best artifact no larger than each (a GGUF whole, "
+                                       "header included; compressed-tensors its tensors), each in DIR/size-SIZE/."),
     context: int = typer.Option(8192, help="Context length in tokens per sequence."),
     batch: int = typer.Option(1, min=1, help="Concurrent sequences whose KV cache must fit."),
     kv_dtype: str = typer.Option("f16", help="KV cache dtype."),
@@ -445,9 +451,10 @@ def fit_command(
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit
 
-    fit(model, vram, context, batch, kv_dtype, format, out, formats, calibration, max_tokens, method=method,
-        full_check=full_check, device=device, log=typer.echo, refine=refine, ray=ray, workers=workers,
-        scan_method=scan_method, group_by=group_by, sizes=size)
+    with holding({"--out": out}, "fit"):
+        fit(model, vram, context, batch, kv_dtype, format, out, formats, calibration, max_tokens, method=method,
+            full_check=full_check, device=device, log=typer.echo, refine=refine, ray=ray, workers=workers,
+            scan_method=scan_method, group_by=group_by, sizes=size)
 
 
 @app.command("compare")
@@ -473,9 +480,10 @@ def compare_command(
     from .compare import compare, render_compare
 
     chosen = [] if baselines.strip() == "none" else [b.strip() for b in baselines.split(",") if b.strip()]
-    result = compare(model, out, map_path, [p.strip() for p in presets.split(",") if p.strip()], text, max_tokens,
-                     scan_tokens=scan_tokens, log=typer.echo, imatrix=imatrix, baselines=chosen, speed=speed,
-                     weight_allocator=weight_allocator)
+    with holding({"--out": out}, "compare"):
+        result = compare(model, out, map_path, [p.strip() for p in presets.split(",") if p.strip()], text,
+                         max_tokens, scan_tokens=scan_tokens, log=typer.echo, imatrix=imatrix, baselines=chosen,
+                         speed=speed, weight_allocator=weight_allocator)
     typer.echo(render_compare(result))
 
 

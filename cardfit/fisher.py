@@ -303,8 +303,9 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
                     if f.storage(t.name, t.shape) != "F32":
                         alike.setdefault(f.rounding_key(t.name, t.shape, "rtn"), []).append(f)
                 own = source.origin_types().get(t.name)
+                drawn = all(_drawn(same[0], t, weight, own) for same in alike.values())
                 kl = over_items(lambda same: _price(same[0], t, fisher[t.name], weight, own), list(alike.values()),
-                                values_rounded(weight.numel()))
+                                values_rounded(weight.numel(), drawn))
                 for same, nats in zip(alike.values(), kl):
                     for fmt in same:
                         damage[fmt.name] += nats
@@ -317,11 +318,16 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
                            "scan with --method exact")
 
 
+def _drawn(fmt, tensor, weight: torch.Tensor, own: str | None) -> bool:
+    """Whether `_price` draws this tensor's price from a sample of its blocks."""
+    storage = fmt.storage(tensor.name, tensor.shape)
+    return fmt.method_for("rtn") == "rtn" and storage != own and sampled(storage, weight.numel())
+
+
 def _price(fmt, tensor, fisher: torch.Tensor, weight: torch.Tensor, own: str | None = None) -> float:
     """One tensor's predicted KL under one format, RTN: a large matrix from a sample of its blocks
     (sampled_kl), anything else, and a tensor rounded back onto `own` (the grid its source stored it on:
     ~0 but in a few blocks, which no sample predicts), from its whole round trip."""
-    storage = fmt.storage(tensor.name, tensor.shape)
-    if fmt.method_for("rtn") == "rtn" and storage != own and sampled(storage, weight.numel()):
-        return sampled_kl(fisher, weight, storage)
+    if _drawn(fmt, tensor, weight, own):
+        return sampled_kl(fisher, weight, fmt.storage(tensor.name, tensor.shape))
     return predicted_kl(fisher, weight, fmt.roundtrip(tensor.name, weight, None, "rtn"))

@@ -86,7 +86,10 @@ def parse_sizes(sizes: str | list[int]) -> list[tuple[str, int]]:
     texts = sizes.split(",") if isinstance(sizes, str) else [str(int(s)) for s in sizes]
     if not texts or any(not t.strip() for t in texts):
         raise CardfitError(f"--size '{sizes}' names no size", "pass --size SIZE[,SIZE...], e.g. --size 900MB,1.2GB")
-    parsed = [(re.sub(r"[^0-9A-Za-z.]+", "", t), parse_bytes(t.strip(), "--size")) for t in texts]
+    parsed = [(re.sub(r"[^0-9A-Za-z.+-]+", "", t), parse_bytes(t.strip(), "--size")) for t in texts]
+    if any(size < 1 for _, size in parsed):
+        raise CardfitError(f"--size '{sizes}' holds a size under one byte", "give each size in bytes or units, "
+                           "e.g. --size 900MB")
     if len({b for _, b in parsed}) != len(parsed) or len({n for n, _ in parsed}) != len(parsed):
         raise CardfitError(f"--size '{sizes}' names one size twice", "name each size once")
     return [(f"size-{name}", size) for name, size in sorted(parsed, key=lambda p: -p[1])]
@@ -172,10 +175,12 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     else:
         b = None
         budgets = [size for _, size in labelled]
-        _say(log, "file sizes: " + ", ".join(format_bytes(size) for size in budgets) + " (each artifact whole, "
-             "metadata and tokenizer included; no KV cache or runtime overhead is modelled)")
+        counted = ("each whole file, header and tokenizer included" if target.artifact == "gguf" else
+                   "each artifact's tensors, as its budget counts them")
+        _say(log, "sizes: " + ", ".join(format_bytes(size) for size in budgets) + f" ({counted}; no KV cache or "
+             "runtime overhead is modelled)")
 
-    reserve = reserve_bytes(source, runtime, scratch_dir=next(p for p in (out, *out.absolute().parents) if p.is_dir()))
+    reserve = reserve_bytes(source, runtime, scratch_dir=out if out.is_dir() else None)
     if formats is None:
         formats = scan_menu(target, source, min(budgets) - reserve, scan_method)
         _say(log, f"scanning {formats}")
@@ -183,7 +188,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         from .groups import expert_stack
 
         group_by = "tensor" if any(expert_stack(t.name) for t in source.tensors()) else "layer"
-    _refuse_unreachable(source, formats, group_by, min(budgets), reserve)
+    _refuse_unreachable(source, formats, group_by, min(budgets), reserve,
+                        "raise --vram, lower --context" if labelled is None else "raise --size")
     out.mkdir(parents=True, exist_ok=True)
     _say(log, f"\n== 2. scan ({scan_method}, groups per {group_by}, {max_tokens} calibration tokens; resumes "
               f"{out / 'sensitivity.json'})")
@@ -203,6 +209,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
                 "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
         delivered = _deliver(job, out, b.weight_budget_bytes, info, b)
+        _refuse_failed([delivered], "raise --vram")
         _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {Path(delivered['artifact']).name}, report.md, "
                   "sensitivity.png, frontier.png")
         return {"out": str(out), "budget": b.to_dict(), **delivered}
@@ -212,12 +219,25 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         (out / label).mkdir(exist_ok=True)
         delivered.append({"size_bytes": size, "out": str(out / label),
                           **_deliver(job, out / label, size, {"file_size_bytes": size}, None)})
+    _refuse_failed(delivered, "raise --size")  # every size checked first: one failure does not stop the others
+    others = sorted(p.name for p in out.glob("size-*") if p.is_dir() and p.name not in dict(labelled))
+    if others:
+        _say(log, f"note: {', '.join(others)} in {out} are from an earlier run's sizes; left as they were")
     _say(log, f"\n-> {out}: sensitivity.json, sensitivity.png and " + ", ".join(label for label, _ in labelled))
     return {"out": str(out), "sizes": delivered}
 
 
-def _refuse_unreachable(source, formats: str, group_by: str, budget: int, reserve: int) -> None:
-    """Refuse, before any work, a budget that no recipe over `formats` fits (plan's own message)."""
+def _refuse_failed(delivered: list[dict], raise_it: str) -> None:
+    """Refuse a run any of whose artifacts failed its check (now or in an earlier run of this directory)."""
+    failed = [d for d in delivered if d["check"] and d["check"]["verdict"] != "pass"]
+    if failed:
+        raise CardfitError("; ".join(f"{d['artifact']} failed its check: " + "; ".join(d["check"]["reasons"])
+                                     for d in failed), f"do not ship it; {raise_it}, or inspect the recipe")
+
+
+def _refuse_unreachable(source, formats: str, group_by: str, budget: int, reserve: int, raise_it: str) -> None:
+    """Refuse, before any work, a budget that no recipe over `formats` fits (plan's own message; `raise_it`
+    names the options that set the budget)."""
     from .budget import no_fit_message
     from .formats import parse_formats
     from .scan import scan_groups
@@ -226,8 +246,7 @@ def _refuse_unreachable(source, formats: str, group_by: str, budget: int, reserv
     least = reserve + sum(min(sum(f.tensor_bytes(t.name, t.shape) for t in g.tensors) for f in menu)
                           for g in scan_groups(source, group_by))
     if budget < least:
-        raise CardfitError(no_fit_message(budget, least), "raise --vram or --size, lower --context, or allow "
-                           "smaller --formats")
+        raise CardfitError(no_fit_message(budget, least), f"{raise_it}, or allow smaller --formats")
 
 
 def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
@@ -279,9 +298,6 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
         write_json(state_path, state)
         write_json(out / "check.json", checked)
         _say(log, render_check(checked))
-        if checked["verdict"] != "pass":
-            raise CardfitError(f"{artifact} failed its check: " + "; ".join(checked["reasons"]),
-                               "do not ship it; raise --vram or --size, or inspect the recipe")
     write_text(out / "report.md", render_report(b, job.sensitivity, recipe, packed, checked, artifact, budget))
     return {"recipe": recipe, "pack": packed, "check": checked, "artifact": str(artifact)}
 

@@ -85,8 +85,8 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
         calib.advance(index)
         if log and index == 0 and layers > 1:
             first = time.perf_counter() - began
-            log(f"the first layer took {first:.1f} s: about {_duration(first * (layers - 1))} for the other "
-                f"{layers - 1} layers")
+            log(f"the first layer took {first:.1f} s: at most about {_duration(first * (layers - 1))} for the "
+                f"other {layers - 1} layers (the first also paid for the embedding and warm-up)")
         if bar:
             bar.update(1)
     if bar:

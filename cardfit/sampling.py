@@ -24,9 +24,10 @@ def worth_sampling(values: int) -> bool:
     return values >= 2 * SAMPLE_FLOOR
 
 
-def values_rounded(values: int) -> int:
-    """About how many of a matrix's `values` a sampled price rounds (what decides how its rounding is threaded)."""
-    return max(SAMPLE_FLOOR, values // SAMPLE_SHARE) if worth_sampling(values) else values
+def values_rounded(values: int, sampled: bool) -> int:
+    """About how many of a matrix's `values` its price rounds, drawn from a sample or not (what decides how its
+    rounding is threaded)."""
+    return max(SAMPLE_FLOOR, values // SAMPLE_SHARE) if sampled and worth_sampling(values) else values
 
 
 def units_wanted(units: int, values_per_unit: int) -> int:
@@ -46,6 +47,8 @@ def sampled_total(guide: torch.Tensor, price: Callable[[torch.Tensor], torch.Ten
     inclusion = inclusion_probabilities(share, wanted)
     draw = torch.rand(units, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     taken = (draw < inclusion).nonzero().reshape(-1)
+    if len(taken) == 0:  # nothing drawn decides nothing: an unbounded error sends the caller to the whole
+        return 0.0, float("inf")
     prices, chance, expected = price(taken), inclusion[taken], guide[taken]
     estimate = float((prices / chance).sum())
     guide_estimate = float((expected / chance).sum())
@@ -64,9 +67,10 @@ MAX_RELATIVE_ERROR = 0.02  # a sampled price whose standard error is larger than
 
 def sampled_or_whole(guide: torch.Tensor, price: Callable[[torch.Tensor], torch.Tensor], wanted: int,
                      whole: Callable[[], float], seed: int = 0) -> float:
-    """sampled_total's estimate, or `whole()` where the sample cannot decide the sum to MAX_RELATIVE_ERROR: a
-    matrix whose error the guide does not predict (a tensor re-rounded onto the grid it was stored on costs
-    ~0 except in a few rows, which a sample catches or misses)."""
+    """sampled_total's estimate, or `whole()` where the sample cannot decide the sum to MAX_RELATIVE_ERROR. The
+    stated error comes from the drawn units alone: a matrix whose error sits in a few units the guide does not
+    predict, none of them drawn, states a small one (callers price such matrices whole on their own rule: a
+    tensor rounded back onto the grid its source stored it on)."""
     estimate, error = sampled_total(guide, price, wanted, seed)
     return whole() if error > MAX_RELATIVE_ERROR * abs(estimate) else estimate
 
@@ -91,6 +95,8 @@ def scale_guide(weight: torch.Tensor, column_weight: torch.Tensor | None, width:
     """Each row's expected price on a scaled grid, up to one constant: over every `width` values (one scale of
     a ggml type) Σ of the column weights (1 where none) times the largest |w| squared, summed along the row
     (a rounding error's variance goes with the scale squared)."""
+    if weight.shape[1] % width:  # a row no scale divides (stored F16): each value its own "scale"
+        width = 1
     parts = []
     for start in range(0, weight.shape[0], rows):
         w = weight[start:start + rows].to(torch.float32)

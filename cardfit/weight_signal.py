@@ -101,12 +101,14 @@ def group_prices(source, group, formats: list[Format], rounding: str, statistics
         for fmt in formats:
             if fmt.storage(tensor.name, tensor.shape) != "F32":
                 alike.setdefault(fmt.rounding_key(tensor.name, tensor.shape, rounding), []).append(fmt)
-        own = source.origin_types().get(tensor.name)
-        errors = over_items(lambda same: tensor_error(tensor, weight, same[0], rounding, statistics,
-                                                      sample=same[0].storage(tensor.name, tensor.shape) != own),
-                            list(alike.values()), values_rounded(weight.numel()))
-        for same, error in zip(alike.values(), errors):
-            for fmt in same:
+        own = source.origin_types().get(tensor.name)  # rounded back onto it: priced whole
+        sample = {key: same[0].storage(tensor.name, tensor.shape) != own for key, same in alike.items()}
+        drawn = all(sample[key] and samples_rows(weight, same[0], rounding) for key, same in alike.items())
+        errors = over_items(lambda key: tensor_error(tensor, weight, alike[key][0], rounding, statistics,
+                                                     sample=sample[key]),
+                            list(alike), values_rounded(weight.numel(), drawn))
+        for key, error in zip(alike, errors):
+            for fmt in alike[key]:
                 damage[fmt.name] += error
     return damage
 
@@ -124,7 +126,7 @@ def tensor_error(tensor, weight: torch.Tensor, fmt: Format, rounding: str, stati
         quantized = fmt.roundtrip(tensor.name, weight, calibration, method)
         return sum(weighted_error(weight, quantized, c, r) for c, r in terms)
 
-    if not (sample and weight.dim() == 2 and worth_sampling(weight.numel()) and fmt.rows_apart(method)):
+    if not (sample and samples_rows(weight, fmt, rounding)):
         return whole()
 
     def price(taken: torch.Tensor) -> torch.Tensor:
@@ -134,6 +136,12 @@ def tensor_error(tensor, weight: torch.Tensor, fmt: Format, rounding: str, stati
 
     guide = sum(scale_guide(weight, c) * (1.0 if r is None else r.to(torch.float64)) for c, r in terms)
     return sampled_or_whole(guide, price, units_wanted(weight.shape[0], weight.shape[1]), whole, seed)
+
+
+def samples_rows(weight: torch.Tensor, fmt: Format, rounding: str) -> bool:
+    """Whether `weight`'s price under `fmt` comes from a sample of its rows: a large matrix whose rounding treats
+    each row apart."""
+    return weight.dim() == 2 and worth_sampling(weight.numel()) and fmt.rows_apart(fmt.method_for(rounding))
 
 
 def row_errors(original: torch.Tensor, quantized: torch.Tensor, column_weight: torch.Tensor | None = None,

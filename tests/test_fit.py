@@ -176,3 +176,17 @@ def test_fit_refuses_a_size_no_recipe_reaches_before_the_scan(tiny_models, tmp_p
     out = tmp_path / "run"
     code, _, err = run_cli("fit", tiny_models["llama"], "--out", out, "--size", "2KB")
     assert code == 2 and "minimum achievable is" in err and not out.exists()
+
+
+def test_size_labels_keep_what_the_user_wrote_and_refuse_nothing_sizes():
+    from cardfit.errors import CardfitError
+    from cardfit.fit import parse_sizes
+
+    assert parse_sizes("1e-3GB, 900MB") == [("size-900MB", 900 * 10**6), ("size-1e-3GB", 10**6)]
+    for bad in ("0", "0.4", "1e-12GB"):
+        try:
+            parse_sizes(bad)
+        except CardfitError as error:
+            assert "under one byte" in str(error)
+        else:
+            raise AssertionError(bad)

@@ -362,3 +362,22 @@ def test_plan_outputs_fuzzed_keep_the_promise(planned_map, tmp_path_factory, run
     else:
         assert code == 2 and len(err.strip().splitlines()) == 1, (out, frontier, err)
         assert _snapshot(root) == before and _snapshot(the_map.parent) == inputs_before, (out, frontier)
+
+
+@pytest.mark.parametrize("command", ["scan", "fit", "plan"])
+def test_a_second_run_on_one_output_is_refused_naming_the_first(tiny_models, planned_map, tmp_path, command):
+    """Two real processes on one output: while one holds it, the other says who does and exits 2 before any
+    work, leaving nothing; the lock lives in the cache, not beside the user's files."""
+    from cardfit.locks import holding
+
+    out = tmp_path / ("run" if command == "fit" else "out.json")
+    args = {"scan": ["scan", tiny_models["llama"], "--max-tokens", "64", "--seq-len", "32", "--out", out],
+            "fit": ["fit", tiny_models["llama"], "--vram", "1GiB", "--out", out],
+            "plan": ["plan", planned_map[0], "--weight-budget", str(planned_map[1]), "--out", out]}[command]
+    with holding({"--out": out}, "scan"):
+        done = subprocess.run([sys.executable, "-m", "cardfit.cli", *map(str, args)], capture_output=True,
+                              text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (f"error: --out {out.resolve()} is being written by pid {os.getpid()} (cardfit "
+                                   "scan) — wait for that run to finish, or give --out another path")
+    assert sorted(tmp_path.iterdir()) == []

@@ -324,3 +324,15 @@ def test_the_weight_scan_prices_large_matrices_from_a_sample_of_rows(tiny_models
     for w, d in zip(whole["groups"], drawn["groups"]):
         for f, cell in w["cells"].items():
             assert d["cells"][f]["damage"] == pytest.approx(cell["damage"], rel=0.1, abs=1e-12), (w["name"], f)
+
+
+def test_a_draw_of_nothing_or_an_unscaled_row_is_never_a_price(monkeypatch):
+    """A row no ggml scale divides (stored F16) gets a per-value guide rather than a crash; a draw that takes no
+    unit states an unbounded error, so the caller prices the whole."""
+    from cardfit import sampling
+
+    weight = torch.randn(600, 1000)
+    assert sampling.scale_guide(weight, torch.rand(1000)).shape == (600,)
+    guide = sampling.scale_guide(weight, None)
+    assert sampling.sampled_total(guide, lambda taken: guide[taken], 0) == (0.0, float("inf"))
+    assert sampling.sampled_or_whole(guide, lambda taken: guide[taken], 0, lambda: 42.0) == 42.0

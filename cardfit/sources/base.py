@@ -198,7 +198,11 @@ class ModelSource:
             from .gguf_file import GgufSource
 
             stored = {t.name: t.dtype for t in GgufSource(self.origins[0]).tensors()}
-            spec = ArchSpec.for_config(self.config)
+            try:
+                spec = ArchSpec.for_config(self.config)
+            except CardfitError:  # an architecture cardfit does not name for llama.cpp: its grid unknown
+                self._origin_types = {}
+                return self._origin_types
             named = {}
             for t in self.tensors():
                 if len(t.shape) >= 2:
