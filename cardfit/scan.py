@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -909,6 +910,30 @@ def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, dev
     return result
 
 
+class PricingClock:
+    """Says, after the first group and then at each further quarter of the work, how long a cheap signal's
+    pricing has taken and about how long the rest will: work counted as a group's values times its formats
+    to price."""
+
+    def __init__(self, groups: list[Group], todo: list, log, clock=time.perf_counter):
+        self.time, self.log = clock, log
+        formats: dict[int, int] = {}
+        for index, _, _ in todo:
+            formats[index] = formats.get(index, 0) + 1
+        self.work = {i: n * sum(math.prod(t.shape) for t in groups[i].quantizable) for i, n in formats.items()}
+        self.total, self.done, self.said = max(sum(self.work.values()), 1), 0, 0.0
+        self.began = self.time()
+
+    def priced(self, index: int) -> None:
+        self.done += self.work.pop(index, 0)
+        share = self.done / self.total
+        if self.log and self.done and share < 1 and (self.said == 0 or share >= self.said + 0.25):
+            elapsed = self.time() - self.began
+            left = elapsed * (1 - share) / share
+            self.log(f"priced {share:.0%} of the cells' work in {elapsed:.0f} s: about {left / 60:.1f} minutes left")
+            self.said = share
+
+
 def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory, memory_cap,
                     batch, weight_budgets, signal, progress, log) -> dict:
     """The adaptive scan (adaptive.py): every cell's cheap signal (fast: the streamed Fisher; weight: the
@@ -935,7 +960,10 @@ def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device,
     unsigned = [(i, g, f) for i, g in enumerate(groups) for f in fmts
                 if "signal" not in result["groups"][i]["cells"].get(f.name, {})]
     if unsigned:
+        clock = PricingClock(groups, unsigned, log)
+
         def signed(index: int, priced: dict) -> None:
+            clock.priced(index)
             cells = result["groups"][index]["cells"]
             for name, value in priced.items():
                 cells[name] = ({**cells[name], "signal": value} if name in cells else

@@ -100,3 +100,30 @@ def test_the_dual_bound_prunes_only_cells_the_plan_would_not_take(monkeypatch):
             assert deciding_cells(p, [budget], [choice], estimated, error) >= brute and len(solves) == before
         solved_for_every_cell += len(estimated)
     assert len(solves) < solved_for_every_cell / 2
+
+
+def test_the_pricing_clock_says_what_is_left_by_the_work_done():
+    """After the first group and each further quarter: the share of the work (values x formats), the time
+    taken and the rest at that pace; nothing once all is priced."""
+    from types import SimpleNamespace
+
+    from cardfit.scan import Group, PricingClock
+
+    def tensor(*shape):
+        return SimpleNamespace(shape=shape, name="w")
+
+    groups = [Group("embed", [tensor(100, 10)], -1), Group("layers.0", [tensor(10, 10), tensor(10)], 0),
+              Group("layers.1", [tensor(30, 10)], 1)]
+    todo = [(0, groups[0], "A"), (1, groups[1], "A"), (1, groups[1], "B"), (2, groups[2], "A")]
+    said, now = [], iter([0.0, 10.0, 20.0, 30.0])
+    clock = PricingClock(groups, todo, said.append, clock=lambda: next(now))
+    clock.priced(1)  # 2 x 100 of 1,500 values x formats: the first group, said
+    clock.priced(0)  # 1,200 of 1,500: a quarter more, said
+    clock.priced(2)  # all: nothing left to say
+    assert said == ["priced 13% of the cells' work in 10 s: about 1.1 minutes left",
+                    "priced 80% of the cells' work in 20 s: about 0.1 minutes left"]
+    said.clear()
+    clock = PricingClock(groups, todo, said.append, clock=lambda: 1.0)
+    clock.priced(2)
+    clock.priced(1)  # 500 of 1,500 after 300: under a quarter more, not said
+    assert len(said) == 1
