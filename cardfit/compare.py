@@ -173,6 +173,21 @@ def _quantize_atomically(f16: Path, out: Path, preset: str, imatrix: dict | None
         llama_quantize(f16, tmp, preset, imatrix=imatrix)
 
 
+def _refuse_foreign_map(map_path, source, rounding: str) -> None:
+    """A --map compare cannot plan llama.cpp rows from, refused before any work: another runtime's, another
+    model's, or another rounding's."""
+    from .maps import check_map_model, read_map
+
+    data = read_map(map_path)
+    if data.get("runtime", "llama.cpp") != "llama.cpp":
+        raise CardfitError(f"{map_path} was scanned for {data['runtime']}, and compare meets llama.cpp's presets",
+                           "scan a llama.cpp map (GGUF formats), or leave --map out")
+    check_map_model(data, source)
+    if data.get("rounding", "rtn") != rounding:
+        raise CardfitError(f"{map_path} was scanned with {data.get('rounding')} rounding, this comparison rounds "
+                           f"with {rounding}", "scan the map with the same --rounding, or leave --map out")
+
+
 def compare(model: str | Path | None = None, out: str | Path = "compare-out", map_path: str | Path | None = None,
             presets: tuple[str, ...] | list[str] = DEFAULT_PRESETS, text: str | Path | None = None,
             max_tokens: int = 2048, seq_len: int = 512, scan_tokens: int = 1024, progress: bool = True,
@@ -194,6 +209,9 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     from .sources import open_model, runnable
     from .text import load_text, text_hash
 
+    if not presets:
+        raise CardfitError("--presets names no llama.cpp preset", "name one or more, e.g. --presets "
+                           + ",".join(DEFAULT_PRESETS))
     for preset in presets:
         if preset not in FTYPES:
             raise CardfitError(f"llama.cpp has no preset '{preset}'", "known: " + ", ".join(FTYPES))
@@ -213,6 +231,8 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     out = guard_output(out, {"the model": model_paths(source), "the map": input_paths(map_path),
                              "the held-out text": input_paths(text)}, kind="workdir")
     source = runnable(source)
+    if map_path is not None:
+        _refuse_foreign_map(map_path, source, "imatrix" if imatrix else "rtn")
     out.mkdir(parents=True, exist_ok=True)
     reference = model or "default"
     from .check import ReferenceLogits
@@ -255,10 +275,6 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     if map_path is None:
         map_path = out / f"sensitivity{tag}.json"
         scanned(map_path, map_formats, "exact", "scanning")
-    elif read_map(map_path).get("rounding", "rtn") != rounding:
-        raise CardfitError(f"{map_path} was scanned with {read_map(map_path).get('rounding')} rounding, "
-                           f"this comparison rounds with {rounding}",
-                           "scan the map with the same --rounding, or leave --map out")
     weight_map = None
     if weight_allocator:  # the weight signal over the very formats cardfit's map offers
         weight_map = out / f"weight-map{tag}.json"

@@ -252,8 +252,13 @@ def parse_assignments(items: list[str] | None, flag: str) -> dict[str, str]:
         for part in item.split(","):
             if "=" not in part:
                 raise CardfitError(f"{flag} '{part}' is not GROUP=FORMAT", f"write e.g. {flag} 'lm_head=Q8_0'")
-            group, fmt = part.split("=", 1)
-            out[group.strip()] = fmt.strip()
+            group, fmt = (side.strip() for side in part.split("=", 1))
+            if not group or not fmt:
+                raise CardfitError(f"{flag} '{part}' names no group or no format", f"write e.g. {flag} 'lm_head=Q8_0'")
+            if out.get(group, fmt) != fmt:
+                raise CardfitError(f"{flag} gives {group} two formats ({out[group]} and {fmt})",
+                                   f"give each group one {flag}")
+            out[group] = fmt
     return out
 
 

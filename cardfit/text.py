@@ -49,8 +49,8 @@ def token_chunks(tokenizer, text: str, seq_len: int, max_tokens: int | None, sou
     n = limit // seq_len
     if n == 0 and len(ids) >= seq_len:
         raise CardfitError(f"--max-tokens {max_tokens} is less than one chunk of {seq_len} tokens",
-                           f"raise --max-tokens to at least {seq_len}, or lower --seq-len")
+                           f"raise --max-tokens to at least {seq_len}")  # fit and compare have no --seq-len
     if n == 0:
         raise CardfitError(f"{source} has {len(ids)} tokens, fewer than one chunk of {seq_len}",
-                           f"give a longer text or a smaller --seq-len (at most {len(ids)})")
+                           f"give a text of at least {seq_len} tokens")
     return ids[: n * seq_len].reshape(n, seq_len)

@@ -381,3 +381,30 @@ def test_a_second_run_on_one_output_is_refused_naming_the_first(tiny_models, pla
     assert done.stderr.strip() == (f"error: --out {out.resolve()} is being written by pid {os.getpid()} (cardfit "
                                    "scan) — wait for that run to finish, or give --out another path")
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_conflicting_or_empty_requests_are_refused_in_one_line(tiny_models, tmp_path, run_cli, planned_map):
+    """Two formats for one group, a pin with no format, an empty preset list, names beside --all: refused
+    before any work, naming the conflict, nothing written."""
+    the_map, budget = planned_map
+    out = tmp_path / "r.json"
+    for args, said in ((["plan", the_map, "--weight-budget", budget, "--pin", "lm_head=Q8_0", "--pin", "lm_head=Q4_0"],
+                        "two formats (Q8_0 and Q4_0)"),
+                       (["plan", the_map, "--weight-budget", budget, "--floor", "embed="], "no group or no format"),
+                       (["compare", tiny_models["llama"], "--presets", ",", "--out", tmp_path / "c"], "names no"),
+                       (["models", "get", "--all", "nosuch"], "--all and names")):
+        code, _, err = run_cli(*args, *(["--out", out] if args[0] == "plan" else []))
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_compare_refuses_a_map_of_another_runtime_before_any_work(tiny_models, tmp_path, run_cli):
+    from test_scan import run_scan, small_text
+
+    vllm_map = tmp_path / "inputs" / "map.json"
+    vllm_map.parent.mkdir()
+    run_scan(tiny_models["llama"], small_text(tmp_path / "inputs"), vllm_map, formats="W8A16,W4A16-g32")
+    before = sorted(tmp_path.rglob("*"))
+    code, _, err = run_cli("compare", tiny_models["llama"], "--map", vllm_map, "--out", tmp_path / "c")
+    assert code == 2 and "scanned for vllm" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(tmp_path.rglob("*")) == before
