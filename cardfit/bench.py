@@ -49,6 +49,11 @@ def bench(artifact: str | Path, vram: str | int | None = None, prompt_tokens: in
     path = Path(artifact)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise CardfitError(f"{path} is not a .gguf file", "cardfit bench measures GGUF artifacts in llama.cpp")
+    trained = GgufSource(path).config.get("max_position_embeddings")
+    if trained and prompt_tokens + gen_tokens > trained:  # before llama.cpp allocates a context that size
+        raise CardfitError(f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens} is more than the "
+                           f"{trained} tokens {path.name} was trained on",
+                           f"keep the two within {trained} (e.g. --gen-tokens {max(1, trained - prompt_tokens)})")
     from .runtimes import load_llama
 
     process = psutil.Process()

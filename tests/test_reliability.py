@@ -408,3 +408,12 @@ def test_compare_refuses_a_map_of_another_runtime_before_any_work(tiny_models, t
     code, _, err = run_cli("compare", tiny_models["llama"], "--map", vllm_map, "--out", tmp_path / "c")
     assert code == 2 and "scanned for vllm" in err and len(err.strip().splitlines()) == 1, err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_size_bomb_in_bench_is_refused_before_llama_cpp_allocates(run_cli):
+    """`bench --gen-tokens 100000000000` grew to 22.9 GB and was killed by the kernel; the trained context
+    bounds it before anything is allocated."""
+    from cardfit.default_model import default_gguf
+
+    code, _, err = run_cli("bench", default_gguf(), "--gen-tokens", "100000000000")
+    assert code == 2 and "trained on" in err and "--gen-tokens" in err and len(err.strip().splitlines()) == 1, err
