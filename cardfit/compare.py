@@ -205,7 +205,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     from .plan import plan, uniform_recipe
     from .scan import scan
     from .shelf import FTYPES, preset_needs_imatrix
-    from .paths import guard_output, input_paths, model_paths
+    from .paths import guard_output, input_paths, model_paths, work_directory
     from .sources import open_model, runnable
     from .text import load_text, text_hash
 
@@ -233,178 +233,178 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     source = runnable(source)
     if map_path is not None:
         _refuse_foreign_map(map_path, source, "imatrix" if imatrix else "rtn")
-    out.mkdir(parents=True, exist_ok=True)
-    reference = model or "default"
-    from .check import ReferenceLogits
+    with work_directory(out):
+        reference = model or "default"
+        from .check import ReferenceLogits
 
-    ref_logits = ReferenceLogits(reference)  # one reference forward per chunk for every row
-    tag = "-imatrix" if imatrix else ""
-    rounding = "imatrix" if imatrix else "rtn"
-    cache = ArtifactCache(out)
-    # Everything a cached file's bytes depend on: the model, and the calibration text scan, imatrix and
-    # the W4A16 roundings read (the bundled one; the held-out `text` only feeds measurements, never cached).
-    made_from = {"model": model_identity(source), "calibration": text_hash(load_text(None)[0])}
-    calibrated = {**made_from, "tokens": scan_tokens, "seq_len": seq_len}
-    imatrix_file = out / "imatrix.gguf" if imatrix else None
-    imatrix_key = artifact_key("imatrix", **calibrated) if imatrix else None
-    if imatrix:
-        from .imatrix import collect_imatrix
+        ref_logits = ReferenceLogits(reference)  # one reference forward per chunk for every row
+        tag = "-imatrix" if imatrix else ""
+        rounding = "imatrix" if imatrix else "rtn"
+        cache = ArtifactCache(out)
+        # Everything a cached file's bytes depend on: the model, and the calibration text scan, imatrix and
+        # the W4A16 roundings read (the bundled one; the held-out `text` only feeds measurements, never cached).
+        made_from = {"model": model_identity(source), "calibration": text_hash(load_text(None)[0])}
+        calibrated = {**made_from, "tokens": scan_tokens, "seq_len": seq_len}
+        imatrix_file = out / "imatrix.gguf" if imatrix else None
+        imatrix_key = artifact_key("imatrix", **calibrated) if imatrix else None
+        if imatrix:
+            from .imatrix import collect_imatrix
 
-        def collect() -> None:
+            def collect() -> None:
+                if log:
+                    log(f"collecting the importance matrix over {scan_tokens} calibration tokens -> {imatrix_file}")
+                collect_imatrix(model, None, scan_tokens, seq_len, imatrix_file, progress=progress)
+
+            cache.ensure(imatrix_file, imatrix_key, collect)
+        def scanned(path: Path, formats: str, method: str, what: str) -> None:
+            """A map of this very job in `path`: resumed when its key matches, else started over (the key goes
+            down before the scan, so an interrupted scan of this job resumes on the next run)."""
+            key = artifact_key("map" if method == "exact" else f"{method}-map", **calibrated, formats=formats,
+                               rounding=rounding, group_by="layer")
+            if not cache.fresh(path, key):
+                cache.forget(path)
+                path.unlink(missing_ok=True)
+                cache.record(path, key)
             if log:
-                log(f"collecting the importance matrix over {scan_tokens} calibration tokens -> {imatrix_file}")
-            collect_imatrix(model, None, scan_tokens, seq_len, imatrix_file, progress=progress)
+                log(f"{what} {formats} ({rounding}) over {scan_tokens} tokens -> {path}")
+            scan(model, None, scan_tokens, formats, "layer", path, resume=True, rounding=rounding, seq_len=seq_len,
+                 progress=progress, method=method)
 
-        cache.ensure(imatrix_file, imatrix_key, collect)
-    def scanned(path: Path, formats: str, method: str, what: str) -> None:
-        """A map of this very job in `path`: resumed when its key matches, else started over (the key goes
-        down before the scan, so an interrupted scan of this job resumes on the next run)."""
-        key = artifact_key("map" if method == "exact" else f"{method}-map", **calibrated, formats=formats,
-                           rounding=rounding, group_by="layer")
-        if not cache.fresh(path, key):
-            cache.forget(path)
-            path.unlink(missing_ok=True)
-            cache.record(path, key)
-        if log:
-            log(f"{what} {formats} ({rounding}) over {scan_tokens} tokens -> {path}")
-        scan(model, None, scan_tokens, formats, "layer", path, resume=True, rounding=rounding, seq_len=seq_len,
-             progress=progress, method=method)
+        from .maps import read_map
 
-    from .maps import read_map
+        if map_path is None:
+            map_path = out / f"sensitivity{tag}.json"
+            scanned(map_path, map_formats, "exact", "scanning")
+        weight_map = None
+        if weight_allocator:  # the weight signal over the very formats cardfit's map offers
+            weight_map = out / f"weight-map{tag}.json"
+            scanned(weight_map, ",".join(read_map(map_path)["formats"]), "weight", "pricing by the weight signal")
+        f16 = out / "f16.gguf"
+        f16_key = artifact_key("f16", **made_from)
+        cache.ensure(f16, f16_key, lambda: pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False,
+                                                smoke=False))
+        reserve = reserve_bytes(source, "llama.cpp", scratch_dir=out)
+        shelf_imatrix = llama_imatrix_values(imatrix_file, source) if imatrix else None
 
-    if map_path is None:
-        map_path = out / f"sensitivity{tag}.json"
-        scanned(map_path, map_formats, "exact", "scanning")
-    weight_map = None
-    if weight_allocator:  # the weight signal over the very formats cardfit's map offers
-        weight_map = out / f"weight-map{tag}.json"
-        scanned(weight_map, ",".join(read_map(map_path)["formats"]), "weight", "pricing by the weight signal")
-    f16 = out / "f16.gguf"
-    f16_key = artifact_key("f16", **made_from)
-    cache.ensure(f16, f16_key, lambda: pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False,
-                                            smoke=False))
-    reserve = reserve_bytes(source, "llama.cpp", scratch_dir=out)
-    shelf_imatrix = llama_imatrix_values(imatrix_file, source) if imatrix else None
+        def say(row: dict) -> None:
+            if not log:
+                return
+            if "error" in row:
+                log(f"{row['name']:<32} {row['error']}")
+                return
+            versus = f"  (KLD {-row['kld_reduction']:+.1%} vs {row['against']})" if row.get("kld_reduction") is not None else ""
+            log(f"{row['name']:<32} {format_bytes(row['bytes']):>11}  KLD {row['kld_mean']:.4f}  top-1 {row['top1']:.2%}"
+                + versus)
 
-    def say(row: dict) -> None:
-        if not log:
-            return
-        if "error" in row:
-            log(f"{row['name']:<32} {row['error']}")
-            return
-        versus = f"  (KLD {-row['kld_reduction']:+.1%} vs {row['against']})" if row.get("kld_reduction") is not None else ""
-        log(f"{row['name']:<32} {format_bytes(row['bytes']):>11}  KLD {row['kld_mean']:.4f}  top-1 {row['top1']:.2%}"
-            + versus)
+        def gguf_row(name: str, kind: str, path: Path, **extra) -> dict:
+            row = {"name": name, "kind": kind, **extra, "bytes": path.stat().st_size,
+                   **_measure(path, reference, text, max_tokens, seq_len, reference_logits=ref_logits)}
+            if speed:
+                row.update(_gguf_speed(path))
+            return row
 
-    def gguf_row(name: str, kind: str, path: Path, **extra) -> dict:
-        row = {"name": name, "kind": kind, **extra, "bytes": path.stat().st_size,
-               **_measure(path, reference, text, max_tokens, seq_len, reference_logits=ref_logits)}
-        if speed:
-            row.update(_gguf_speed(path))
-        return row
+        recipe_kinds = {  # kind -> (row name, file name prefix, how the recipe is made at a byte limit)
+            "cardfit": ("cardfit", "cardfit", lambda limit: plan(map_path, limit, reserve_bytes=reserve)),
+            "uniform-body": ("uniform body + embed/head", "uniform-body",
+                             lambda limit: best_uniform_body(map_path, limit, reserve)),
+            "weight-allocator": ("weight-error allocator", "weight-allocator",
+                                 lambda limit: plan(weight_map, limit, reserve_bytes=reserve)),
+        }
 
-    recipe_kinds = {  # kind -> (row name, file name prefix, how the recipe is made at a byte limit)
-        "cardfit": ("cardfit", "cardfit", lambda limit: plan(map_path, limit, reserve_bytes=reserve)),
-        "uniform-body": ("uniform body + embed/head", "uniform-body",
-                         lambda limit: best_uniform_body(map_path, limit, reserve)),
-        "weight-allocator": ("weight-error allocator", "weight-allocator",
-                             lambda limit: plan(weight_map, limit, reserve_bytes=reserve)),
-    }
+        def recipe_row(against: list[dict], label: str, kind: str) -> dict:
+            """A recipe whose whole GGUF is no larger than the smallest of `against`: cardfit's optimum,
+            the best uniform body + one embedding/head type, or the weight-signal map's optimum."""
+            limit = min(r["bytes"] for r in against)
+            best = min(against, key=lambda r: r["kld_mean"])
+            title, prefix, make_recipe = recipe_kinds[kind]
+            name = f"{title} <= {label}"
+            try:
+                recipe = make_recipe(limit)
+            except CardfitError as exc:
+                return {"name": name, "kind": kind, "against": best["name"], "error": str(exc)}
+            mine = out / f"{prefix}{tag}-{label}.gguf"
+            recipe_hash = content_hash(recipe)
+            packed = {}
 
-    def recipe_row(against: list[dict], label: str, kind: str) -> dict:
-        """A recipe whose whole GGUF is no larger than the smallest of `against`: cardfit's optimum,
-        the best uniform body + one embedding/head type, or the weight-signal map's optimum."""
-        limit = min(r["bytes"] for r in against)
-        best = min(against, key=lambda r: r["kld_mean"])
-        title, prefix, make_recipe = recipe_kinds[kind]
-        name = f"{title} <= {label}"
-        try:
-            recipe = make_recipe(limit)
-        except CardfitError as exc:
-            return {"name": name, "kind": kind, "against": best["name"], "error": str(exc)}
-        mine = out / f"{prefix}{tag}-{label}.gguf"
-        recipe_hash = content_hash(recipe)
-        packed = {}
+            def make() -> None:
+                start = time.perf_counter()
+                pack(recipe, model, mine, force=True, progress=False, smoke=False, imatrix=imatrix_file)  # measured below
+                packed["pack_seconds"] = round(time.perf_counter() - start, 1)
 
-        def make() -> None:
-            start = time.perf_counter()
-            pack(recipe, model, mine, force=True, progress=False, smoke=False, imatrix=imatrix_file)  # measured below
-            packed["pack_seconds"] = round(time.perf_counter() - start, 1)
+            cache.ensure(mine, artifact_key("cardfit", **made_from, recipe=recipe_hash, imatrix=imatrix_key), make)
+            row = gguf_row(name, kind, mine, against=best["name"], predicted_damage=recipe["predicted_damage"],
+                           formats={g["name"]: g["format"] for g in recipe["groups"]}, **packed)
+            row["kld_reduction"] = 1 - row["kld_mean"] / best["kld_mean"] if best["kld_mean"] > 0 else None
+            return row
 
-        cache.ensure(mine, artifact_key("cardfit", **made_from, recipe=recipe_hash, imatrix=imatrix_key), make)
-        row = gguf_row(name, kind, mine, against=best["name"], predicted_damage=recipe["predicted_damage"],
-                       formats={g["name"]: g["format"] for g in recipe["groups"]}, **packed)
-        row["kld_reduction"] = 1 - row["kld_mean"] / best["kld_mean"] if best["kld_mean"] > 0 else None
-        return row
+        def cardfit_row(against: list[dict], label: str) -> dict:
+            return recipe_row(against, label, "cardfit")
 
-    def cardfit_row(against: list[dict], label: str) -> dict:
-        return recipe_row(against, label, "cardfit")
-
-    rows = [gguf_row("llama.cpp F16 (runtime floor)", "floor", f16)]
-    say(rows[-1])
-    for preset in presets:
-        shelf_file = out / f"shelf{tag}-{preset}.gguf"
-        cache.ensure(shelf_file, artifact_key("shelf", f16=f16_key, preset=preset, imatrix=imatrix_key,
-                                              llama_cpp=llama_cpp_version()),
-                     lambda: _quantize_atomically(f16, shelf_file, preset, shelf_imatrix))
-        shelf = gguf_row(f"llama.cpp {preset}" + (" imatrix" if imatrix else ""), "shelf", shelf_file, preset=preset)
-        say(shelf)
-        simple = recipe_row([shelf], preset, "uniform-body")
-        say(simple)
-        rows += [shelf, simple]
-        allocator = recipe_row([shelf], preset, "weight-allocator") if weight_allocator else None
-        if allocator is not None:
-            say(allocator)
-            rows.append(allocator)
-        mine = cardfit_row([shelf], preset)
-        for other, key in ((simple, "kld_vs_uniform_body"), (allocator, "kld_vs_weight_allocator")):
-            if other is not None and "error" not in mine and "error" not in other and other["kld_mean"] > 0:
-                mine[key] = 1 - mine["kld_mean"] / other["kld_mean"]
-        say(mine)
-        rows.append(mine)
-    four_bit = []
-    for method in [m for m in baselines if m != "nf4"]:
-        folder = out / f"w4a16-{method}"
-
-        def baseline(folder=folder, method=method) -> None:
-            if log:
-                log(f"packing uniform W4A16-g128 with {method} ({scan_tokens} calibration tokens) -> {folder}")
-            pack(uniform_recipe(source, "W4A16-g128"), model, folder, method=method, max_tokens=scan_tokens,
-                 seq_len=seq_len, force=True, progress=False, smoke=False)
-
-        cache.ensure(folder, artifact_key("w4a16", **calibrated, method=method), baseline)
-        row = {"name": BASELINES[method], "kind": "baseline", "baseline": method,
-               "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
-               **_measure(folder, reference, text, max_tokens, seq_len, reference_logits=ref_logits)}
-        if speed:
-            row.update(_vllm_speed(folder, reference))
-        four_bit.append(row)
-        rows.append(row)
-        say(row)
-    if four_bit:
-        rows.append(cardfit_row(four_bit, "W4A16-g128"))
+        rows = [gguf_row("llama.cpp F16 (runtime floor)", "floor", f16)]
         say(rows[-1])
-    if "nf4" in baselines:
-        nf4 = get_format("NF4")
-        row = {"name": BASELINES["nf4"], "kind": "baseline", "baseline": "nf4",
-               "bytes": sum(nf4.tensor_bytes(t.name, t.shape) for t in source.tensors()),
-               **_measure(source.path, reference, text, max_tokens, seq_len, runtime="bitsandbytes",
-                           reference_logits=ref_logits)}
-        if speed:
-            row.update(_nf4_speed(source.path, text))
-        rows += [row, cardfit_row([row], "NF4")]
-        say(row)
-        say(rows[-1])
-    result = {"model": source.path.name, "source_types": source.source_types(), "map": str(map_path),
-              "weight_map": None if weight_map is None else str(weight_map),
-              "rounding": rounding, "tokens": max_tokens, "seq_len": seq_len, "calibration_tokens": scan_tokens,
-              "rows": rows}
-    write_json(out / f"compare{tag}.json", result)
-    write_text(out / f"compare{tag}.md", render_compare(result) + "\n")
-    from .plots import plot_compare
+        for preset in presets:
+            shelf_file = out / f"shelf{tag}-{preset}.gguf"
+            cache.ensure(shelf_file, artifact_key("shelf", f16=f16_key, preset=preset, imatrix=imatrix_key,
+                                                  llama_cpp=llama_cpp_version()),
+                         lambda: _quantize_atomically(f16, shelf_file, preset, shelf_imatrix))
+            shelf = gguf_row(f"llama.cpp {preset}" + (" imatrix" if imatrix else ""), "shelf", shelf_file, preset=preset)
+            say(shelf)
+            simple = recipe_row([shelf], preset, "uniform-body")
+            say(simple)
+            rows += [shelf, simple]
+            allocator = recipe_row([shelf], preset, "weight-allocator") if weight_allocator else None
+            if allocator is not None:
+                say(allocator)
+                rows.append(allocator)
+            mine = cardfit_row([shelf], preset)
+            for other, key in ((simple, "kld_vs_uniform_body"), (allocator, "kld_vs_weight_allocator")):
+                if other is not None and "error" not in mine and "error" not in other and other["kld_mean"] > 0:
+                    mine[key] = 1 - mine["kld_mean"] / other["kld_mean"]
+            say(mine)
+            rows.append(mine)
+        four_bit = []
+        for method in [m for m in baselines if m != "nf4"]:
+            folder = out / f"w4a16-{method}"
 
-    plot_compare(rows, out / f"compare{tag}.png")
-    return result
+            def baseline(folder=folder, method=method) -> None:
+                if log:
+                    log(f"packing uniform W4A16-g128 with {method} ({scan_tokens} calibration tokens) -> {folder}")
+                pack(uniform_recipe(source, "W4A16-g128"), model, folder, method=method, max_tokens=scan_tokens,
+                     seq_len=seq_len, force=True, progress=False, smoke=False)
+
+            cache.ensure(folder, artifact_key("w4a16", **calibrated, method=method), baseline)
+            row = {"name": BASELINES[method], "kind": "baseline", "baseline": method,
+                   "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+                   **_measure(folder, reference, text, max_tokens, seq_len, reference_logits=ref_logits)}
+            if speed:
+                row.update(_vllm_speed(folder, reference))
+            four_bit.append(row)
+            rows.append(row)
+            say(row)
+        if four_bit:
+            rows.append(cardfit_row(four_bit, "W4A16-g128"))
+            say(rows[-1])
+        if "nf4" in baselines:
+            nf4 = get_format("NF4")
+            row = {"name": BASELINES["nf4"], "kind": "baseline", "baseline": "nf4",
+                   "bytes": sum(nf4.tensor_bytes(t.name, t.shape) for t in source.tensors()),
+                   **_measure(source.path, reference, text, max_tokens, seq_len, runtime="bitsandbytes",
+                               reference_logits=ref_logits)}
+            if speed:
+                row.update(_nf4_speed(source.path, text))
+            rows += [row, cardfit_row([row], "NF4")]
+            say(row)
+            say(rows[-1])
+        result = {"model": source.path.name, "source_types": source.source_types(), "map": str(map_path),
+                  "weight_map": None if weight_map is None else str(weight_map),
+                  "rounding": rounding, "tokens": max_tokens, "seq_len": seq_len, "calibration_tokens": scan_tokens,
+                  "rows": rows}
+        write_json(out / f"compare{tag}.json", result)
+        write_text(out / f"compare{tag}.md", render_compare(result) + "\n")
+        from .plots import plot_compare
+
+        plot_compare(rows, out / f"compare{tag}.png")
+        return result
 
 
 def best_uniform_body(map_path, limit: int, reserve: int) -> dict:

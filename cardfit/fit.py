@@ -128,7 +128,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     from .budget import budget as compute_budget
     from .budget import render_budget
     from .pack import refuse_unpackable, reserve_bytes
-    from .paths import guard_output, input_paths, model_paths
+    from .paths import guard_output, input_paths, model_paths, work_directory
     from .plots import plot_sensitivity
     from .scan import scan
     from .sources import open_model, runnable
@@ -153,6 +153,9 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         check(ray, None, device)
     target = for_artifact(format)
     runtime = target.name
+    if method not in target.pack_methods:  # pack's own rule, before the scan rather than after it
+        raise CardfitError(f"--method {method} does not apply to {format}",
+                           f"{format} takes --method " + " or ".join(target.pack_methods))
     if vram is None and labelled is None:
         if model is not None:
             raise CardfitError("--vram is required for a model of your own",
@@ -190,41 +193,41 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         group_by = "tensor" if any(expert_stack(t.name) for t in source.tensors()) else "layer"
     _refuse_unreachable(source, formats, group_by, min(budgets), reserve,
                         "raise --vram, lower --context" if labelled is None else "raise --size")
-    out.mkdir(parents=True, exist_ok=True)
-    _say(log, f"\n== 2. scan ({scan_method}, groups per {group_by}, {max_tokens} calibration tokens; resumes "
-              f"{out / 'sensitivity.json'})")
-    map_path = out / "sensitivity.json"
-    sensitivity = scan(model, calibration, max_tokens, formats, group_by, map_path,
-                       resume=True, device=device, seq_len=seq_len, progress=progress,
-                       log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
-                       method=scan_method, weight_budgets=budgets if scan_method == "adaptive" else None)
-    for warning in sensitivity["warnings"]:
-        _say(log, f"warning: {warning}")
-    plot_sensitivity(sensitivity, out / "sensitivity.png")
-    settings = dict(format=format, method=method, calibration=calibration, max_tokens=max_tokens, seq_len=seq_len,
-                    full_check=full_check, check_tokens=check_tokens, device=device, progress=progress,
-                    refine=refine, refine_tokens=refine_tokens)
-    job = _Job(model, source, target, sensitivity, map_path, reserve, settings, log)
-    if labelled is None:
-        info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
-                "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
-        delivered = _deliver(job, out, b.weight_budget_bytes, info, b)
-        _refuse_failed([delivered], "raise --vram")
-        _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {Path(delivered['artifact']).name}, report.md, "
-                  "sensitivity.png, frontier.png")
-        return {"out": str(out), "budget": b.to_dict(), **delivered}
-    delivered = []
-    for label, size in labelled:
-        _say(log, f"\n==== {label}: the best {target.artifact} of at most {format_bytes(size)}")
-        (out / label).mkdir(exist_ok=True)
-        delivered.append({"size_bytes": size, "out": str(out / label),
-                          **_deliver(job, out / label, size, {"file_size_bytes": size}, None)})
-    _refuse_failed(delivered, "raise --size")  # every size checked first: one failure does not stop the others
-    others = sorted(p.name for p in out.glob("size-*") if p.is_dir() and p.name not in dict(labelled))
-    if others:
-        _say(log, f"note: {', '.join(others)} in {out} are from an earlier run's sizes; left as they were")
-    _say(log, f"\n-> {out}: sensitivity.json, sensitivity.png and " + ", ".join(label for label, _ in labelled))
-    return {"out": str(out), "sizes": delivered}
+    with work_directory(out):
+        _say(log, f"\n== 2. scan ({scan_method}, groups per {group_by}, {max_tokens} calibration tokens; resumes "
+                  f"{out / 'sensitivity.json'})")
+        map_path = out / "sensitivity.json"
+        sensitivity = scan(model, calibration, max_tokens, formats, group_by, map_path,
+                           resume=True, device=device, seq_len=seq_len, progress=progress,
+                           log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
+                           method=scan_method, weight_budgets=budgets if scan_method == "adaptive" else None)
+        for warning in sensitivity["warnings"]:
+            _say(log, f"warning: {warning}")
+        plot_sensitivity(sensitivity, out / "sensitivity.png")
+        settings = dict(format=format, method=method, calibration=calibration, max_tokens=max_tokens, seq_len=seq_len,
+                        full_check=full_check, check_tokens=check_tokens, device=device, progress=progress,
+                        refine=refine, refine_tokens=refine_tokens)
+        job = _Job(model, source, target, sensitivity, map_path, reserve, settings, log)
+        if labelled is None:
+            info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
+                    "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
+            delivered = _deliver(job, out, b.weight_budget_bytes, info, b)
+            _refuse_failed([delivered], "raise --vram")
+            _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {Path(delivered['artifact']).name}, report.md, "
+                      "sensitivity.png, frontier.png")
+            return {"out": str(out), "budget": b.to_dict(), **delivered}
+        delivered = []
+        for label, size in labelled:
+            _say(log, f"\n==== {label}: the best {target.artifact} of at most {format_bytes(size)}")
+            (out / label).mkdir(exist_ok=True)
+            delivered.append({"size_bytes": size, "out": str(out / label),
+                              **_deliver(job, out / label, size, {"file_size_bytes": size}, None)})
+        _refuse_failed(delivered, "raise --size")  # every size checked first: one failure does not stop the others
+        others = sorted(p.name for p in out.glob("size-*") if p.is_dir() and p.name not in dict(labelled))
+        if others:
+            _say(log, f"note: {', '.join(others)} in {out} are from an earlier run's sizes; left as they were")
+        _say(log, f"\n-> {out}: sensitivity.json, sensitivity.png and " + ", ".join(label for label, _ in labelled))
+        return {"out": str(out), "sizes": delivered}
 
 
 def _refuse_failed(delivered: list[dict], raise_it: str) -> None:

@@ -8,6 +8,8 @@ user came with). The check runs before any work, so a refusal costs nothing.
 from __future__ import annotations
 
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import CardfitError
@@ -115,3 +117,18 @@ def guard_output(out: str | Path, inputs: dict[str, list[Path]], kind: str = "fi
                     raise CardfitError(f"{flag} {out} would overwrite {label} ({candidate.name})",
                                        f"write the output elsewhere ({flag} another path)")
     return given
+
+
+@contextmanager
+def work_directory(out: Path):
+    """`out` made for the block (parents too); if the block fails before any file was written under it, the
+    directories this made are removed again, so a refused or interrupted run leaves nothing behind (a run
+    that wrote something, a scan's checkpoint say, leaves it for the rerun to continue)."""
+    made = [p for p in (out, *out.absolute().parents) if not p.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield out
+    except BaseException:
+        if made and not any(p.is_file() or p.is_symlink() for p in made[-1].rglob("*")):
+            shutil.rmtree(made[-1], ignore_errors=True)
+        raise

@@ -190,3 +190,21 @@ def test_size_labels_keep_what_the_user_wrote_and_refuse_nothing_sizes():
             assert "under one byte" in str(error)
         else:
             raise AssertionError(bad)
+
+
+def test_fit_refuses_a_rounding_its_artifact_does_not_take_before_the_scan(tiny_models, tmp_path, run_cli):
+    """`fit --method gptq` for a GGUF was refused by pack after the scan, leaving the scan's files."""
+    out = tmp_path / "run"
+    code, _, err = run_cli("fit", tiny_models["llama"], "--vram", "1GiB", "--method", "gptq", "--out", out)
+    assert code == 2 and "--method gptq does not apply to gguf" in err and not out.exists(), err
+
+
+def test_a_fit_that_fails_before_writing_anything_leaves_no_directory(tiny_models, tmp_path, run_cli):
+    """The scan refuses a text shorter than one chunk after the output directory is made: the directory (and
+    the parents this run made) go again, since nothing was written in them."""
+    text = tmp_path / "short.txt"
+    text.write_text("a few words only", encoding="utf-8")
+    out = tmp_path / "new" / "run"
+    code, _, err = run_cli("fit", tiny_models["llama"], "--vram", "1GiB", "--calibration", text, "--out", out)
+    assert code == 2 and "fewer than one chunk" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
