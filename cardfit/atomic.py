@@ -102,4 +102,28 @@ def write_text(path: str | Path, text: str) -> None:
 
 
 def write_json(path: str | Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """`obj` as JSON at `path`, atomically; a NaN or an infinity is never written (a map, recipe or report
+    holding one was computed from inputs that disagree): refused naming where it is."""
+    try:
+        text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=False)
+    except ValueError:
+        from .errors import CardfitError
+
+        raise CardfitError(f"{Path(path).name} would hold a number that is not finite, at {_non_finite(obj)}",
+                           "the inputs disagree with each other (a model file, its config or a map); check "
+                           "them, or report it if they are whole") from None
+    write_text(path, text + "\n")
+
+
+def _non_finite(obj, at: str = "") -> str:
+    """Where in `obj` the first NaN or infinity is (a JSON-pointer-like path), '' if nowhere."""
+    import math
+
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return at or "/"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{at}/{key}")
+        if found:
+            return found
+    return ""

@@ -417,3 +417,16 @@ def test_a_size_bomb_in_bench_is_refused_before_llama_cpp_allocates(run_cli):
 
     code, _, err = run_cli("bench", default_gguf(), "--gen-tokens", "100000000000")
     assert code == 2 and "trained on" in err and "--gen-tokens" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_non_finite_number_is_never_written_into_an_artifact(tmp_path):
+    """One rule where every map, recipe, state and report is written: NaN or infinity refused naming where it
+    is, nothing written (a scan of a GGUF missing a tensor exited 0 with a 'complete' map of NaN damages)."""
+    from cardfit.atomic import write_json
+
+    for bad, at in ((float("nan"), "/groups/1/cells/Q4_K/damage"), (float("inf"), "/groups/1/cells/Q4_K/damage")):
+        with pytest.raises(CardfitError, match=f"not finite, at {at}"):
+            write_json(tmp_path / "map.json", {"groups": [{}, {"cells": {"Q4_K": {"damage": bad}}}]})
+        assert not (tmp_path / "map.json").exists() and list(tmp_path.iterdir()) == []
+    write_json(tmp_path / "map.json", {"damage": 1e308, "stderr": None})
+    assert json.loads((tmp_path / "map.json").read_text()) == {"damage": 1e308, "stderr": None}
