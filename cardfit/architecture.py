@@ -85,7 +85,7 @@ def load_config(path: str | Path) -> dict:
         raise CardfitError(f"no config.json at {path}", "point --config at a model directory or its config.json")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CardfitError(f"{path} is not valid JSON ({exc.__class__.__name__}: {exc})",
                            "restore the model's original config.json") from None
     if not isinstance(config, dict):

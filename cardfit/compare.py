@@ -67,7 +67,7 @@ class ArtifactCache:
         self.keys: dict[str, str] = {}
         try:
             state = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             state = None
         if isinstance(state, dict) and state.get("cardfit_compare_state") == STATE_VERSION:
             artifacts = state.get("artifacts")

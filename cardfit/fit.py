@@ -30,7 +30,7 @@ def _read_state(path: Path) -> dict:
         return {}
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         state = None
     if not isinstance(state, dict) or not all(isinstance(state.get(k), (dict, str, type(None)))
                                               for k in ("packed_from", "pack", "check", "refined_from")):

@@ -15,7 +15,7 @@ def read_json(path: str | Path, what: str, producer: str):
         raise CardfitError(f"no {what} at {path}", f"run {producer} first")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CardfitError(f"{path} is not valid JSON ({exc})", f"re-run {producer}") from None
 
 

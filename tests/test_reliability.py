@@ -430,3 +430,17 @@ def test_a_non_finite_number_is_never_written_into_an_artifact(tmp_path):
         assert not (tmp_path / "map.json").exists() and list(tmp_path.iterdir()) == []
     write_json(tmp_path / "map.json", {"damage": 1e308, "stderr": None})
     assert json.loads((tmp_path / "map.json").read_text()) == {"damage": 1e308, "stderr": None}
+
+
+@pytest.mark.parametrize("command", ["plan", "sizes"])
+def test_a_deeply_nested_json_is_one_line_not_a_recursion_error(tiny_models, tmp_path, run_cli, command):
+    bomb = "[" * 200_000 + "]" * 200_000
+    if command == "plan":
+        (tmp_path / "map.json").write_text(bomb)
+        code, _, err = run_cli("plan", tmp_path / "map.json", "--weight-budget", "1MiB", "--out", tmp_path / "r.json")
+    else:
+        model = copy_model(tiny_models["llama"], tmp_path / "m")
+        (model / "config.json").write_text(bomb)
+        code, _, err = run_cli("sizes", model)
+    assert code == 2 and "not valid JSON" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r.json").exists()

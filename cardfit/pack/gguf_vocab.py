@@ -69,7 +69,7 @@ def add_vocab(writer, model_dir: Path, vocab_size: int) -> tuple[list, list[str]
                            "copy the model's tokenizer files into its directory")
     try:
         declared = json.loads(tokenizer_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise CardfitError(f"{tokenizer_file} is not valid JSON", "restore the model's tokenizer.json") from None
     if (declared.get("model") or {}).get("type") != "BPE":
         raise CardfitError(f"tokenizer type {(declared.get('model') or {}).get('type')} is not packed to GGUF",
@@ -136,7 +136,7 @@ def _is_byte_level(tokenizer_file: Path) -> bool:
         return False
     try:
         declared = json.loads(tokenizer_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
     return pre_tokenizer_name(declared) is not None
 

@@ -98,7 +98,7 @@ def content_hash(path: Path) -> str:
         index = json.loads(index_path.read_text(encoding="utf-8"))
         if not isinstance(index, dict):
             index = {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         index = {}
     if isinstance(index.get(key), str):
         return index[key]
@@ -184,7 +184,7 @@ class GgufSource(ModelSource):
             header = json.loads(memo.read_text(encoding="utf-8"))
             if isinstance(header, dict) and header.get("key") == key:
                 return header
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             pass
         reader = self._gguf
         tensors = [[t.name, [int(d) for d in reversed(t.shape)], t.tensor_type.name, int(t.n_bytes)]

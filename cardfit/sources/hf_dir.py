@@ -33,7 +33,7 @@ class HfDirectorySource(ModelSource):
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise CardfitError(f"{index} is not a safetensors index (no weight_map)",
                                    "restore the model's original index file") from None
             shards = {name: self.path / file for name, file in weight_map.items()}
