@@ -444,3 +444,24 @@ def test_a_deeply_nested_json_is_one_line_not_a_recursion_error(tiny_models, tmp
         code, _, err = run_cli("sizes", model)
     assert code == 2 and "not valid JSON" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+def test_a_gguf_whose_header_miscounts_its_tensors_is_refused(tmp_path, run_cli, delta):
+    """A header claiming one tensor fewer than the file holds read every tensor from the wrong place, and a
+    scan exited 0 with NaN damages; one more was an IndexError: both are one line before any work."""
+    import struct
+
+    from cardfit.default_model import default_gguf
+
+    bad = tmp_path / "bad.gguf"
+    shutil.copy(default_gguf(), bad)
+    with open(bad, "r+b") as f:
+        f.seek(8)
+        count = struct.unpack("<Q", f.read(8))[0]
+        f.seek(8)
+        f.write(struct.pack("<Q", count + delta))
+    before = bad.read_bytes()
+    code, _, err = run_cli("sizes", bad)
+    assert code == 2 and "re-download the file" in err and len(err.strip().splitlines()) == 1, err
+    assert bad.read_bytes() == before

@@ -29,10 +29,17 @@ def _reader(path: Path):
     import gguf
 
     try:
-        return gguf.GGUFReader(str(path), "r")
+        reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:
         raise CardfitError(f"{path} is not a readable GGUF file ({exc.__class__.__name__}: {exc})",
                            "re-download the file or convert the model again") from None
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=reader.data_offset)
+    after = Path(path).stat().st_size - end
+    if not 0 <= after < max(int(reader.alignment), 1):  # a writer pads the last tensor to the alignment at most
+        raise CardfitError(f"{path}'s header does not describe the file: its tensors' data ends {abs(after)} bytes "
+                           f"{'before' if after > 0 else 'after'} the file does (a tensor missing from its table, "
+                           "or a truncated file)", "re-download the file or convert the model again")
+    return reader
 
 
 def _field(reader, key: str):
@@ -146,7 +153,7 @@ def converted_source(path: str | Path, source: "GgufSource | None" = None):
     return converted
 
 
-HEADER_MEMO_VERSION = 1
+HEADER_MEMO_VERSION = 2  # 2: memos only of files whose header describes the whole file
 MEMO_METADATA = ("general.architecture", "tokenizer.ggml.pre")
 
 
