@@ -120,8 +120,9 @@ def _chunks(runtime, body: str, text_path: Path, seq_len: int, max_tokens: int, 
 
         from .sources import open_model
 
-        tokenizer = AutoTokenizer.from_pretrained(str(open_model(tok_dir, run=True).path))
-        return token_chunks(tokenizer, body, seq_len, max_tokens, source=str(text_path))
+        model = open_model(tok_dir, run=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+        return token_chunks(tokenizer, body, seq_len, max_tokens, source=str(text_path), rows=model.embedding_rows())
 
     class _Wrap:  # token_chunks' tokenizer interface over the runtime's own tokenizer
         def __call__(self, text, add_special_tokens=False, return_tensors="pt"):

@@ -63,7 +63,7 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
     names = gguf_tensor_names(source)
     text, text_path = load_text(calibration)
     chunks = token_chunks(AutoTokenizer.from_pretrained(str(source.path)), text, seq_len, max_tokens,
-                          source=str(text_path))
+                          source=str(text_path), rows=source.embedding_rows())
     tokens = int(chunks.numel())
     calib = LayerCalibration(source, chunks, "imatrix", device=device)
     rows: dict[str, dict[int, tuple[np.ndarray, int]]] = {}  # GGUF name -> row (expert, or 0) -> (sums, count)

@@ -143,7 +143,8 @@ def refine(recipe: dict, map_data: dict, model: str | Path | None = None, calibr
         raise CardfitError(f"{text_path.name} is not the text the map was scanned on ({calib['source']})",
                            "pass --calibration with the map's own calibration text")
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
-    chunks = token_chunks(tokenizer, text, calib["seq_len"], max_tokens or calib["tokens"], source=str(text_path))
+    chunks = token_chunks(tokenizer, text, calib["seq_len"], max_tokens or calib["tokens"], source=str(text_path),
+                          rows=source.embedding_rows())
     formats = list(map_data["formats"])
     by_name = {g["name"]: g for g in map_data["groups"]}
     meter = RecipeMeter(source, chunks, map_data["group_by"], map_data["rounding"], device)

@@ -502,7 +502,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     source = runnable(source)
     text, text_path = load_text(calibration)
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))
-    chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path))
+    chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path), rows=source.embedding_rows())
     header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method, compute)
     out = Path(out)
     result = None

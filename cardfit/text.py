@@ -42,9 +42,15 @@ def text_hash(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def token_chunks(tokenizer, text: str, seq_len: int, max_tokens: int | None, source: str = "text") -> torch.Tensor:
-    """(n_chunks, seq_len) token ids from the start of the text; refuses texts shorter than one chunk."""
+def token_chunks(tokenizer, text: str, seq_len: int, max_tokens: int | None, source: str = "text",
+                 rows: int | None = None) -> torch.Tensor:
+    """(n_chunks, seq_len) token ids from the start of the text; refuses texts shorter than one chunk and, given
+    the model's embedding `rows`, a tokenizer whose ids the model has no row for."""
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if rows is not None and len(ids) and int(ids.max()) >= rows:
+        raise CardfitError(f"the tokenizer turns {source} into token ids up to {int(ids.max())}, and the model's "
+                           f"embedding has {rows} rows: tokenizer and weights are of different models",
+                           "use the tokenizer files that came with the model's weights")
     limit = len(ids) if max_tokens is None else min(len(ids), max_tokens)
     n = limit // seq_len
     if n == 0 and len(ids) >= seq_len:

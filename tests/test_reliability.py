@@ -465,3 +465,22 @@ def test_a_gguf_whose_header_miscounts_its_tensors_is_refused(tmp_path, run_cli,
     code, _, err = run_cli("sizes", bad)
     assert code == 2 and "re-download the file" in err and len(err.strip().splitlines()) == 1, err
     assert bad.read_bytes() == before
+
+
+def test_a_tokenizer_with_more_tokens_than_embedding_rows_is_refused(tmp_path, run_cli, capsys):
+    """Weights of a 1,000-token model beside a 49,152-token tokenizer: scan and check ended in 'IndexError: index
+    out of range in self'; now one line naming the mismatch, before any work."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from cardfit.default_model import default_model_dir
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = tmp_path / "m"
+    AutoModelForCausalLM.from_config(config).to(dtype=__import__("torch").float16).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, model / name)
+    capsys.readouterr()  # the save's own progress
+    code, _, err = run_cli("scan", model, "--max-tokens", "64", "--seq-len", "32", "--out", tmp_path / "map.json")
+    assert code == 2 and "embedding has 1000 rows" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "map.json").exists()

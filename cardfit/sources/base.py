@@ -188,6 +188,10 @@ class ModelSource:
 
     origins: tuple = ()  # files this model was converted from (a GGUF): read, never written
 
+    def embedding_rows(self) -> int | None:
+        """How many token ids the model has an embedding row for (None: no token embedding found)."""
+        return next((t.shape[0] for t in self.tensors() if t.group == EMBED and len(t.shape) == 2), None)
+
     def origin_types(self) -> dict[str, str]:
         """Matrix name -> the ggml type it was stored as in the GGUF this model was converted from (empty for a
         model that came unquantized): rounding a tensor back onto that grid costs ~0 but in a few blocks."""
