@@ -73,6 +73,12 @@ class Problem:
             for j, f in enumerate(fmts):
                 if get_format(f).bits < floor_bits:
                     allowed[rows, j] = False
+        for pattern, fmt in (floors or {}).items():  # a floor above every format the map has leaves nothing
+            empty = [i for i in _matching(names, pattern) if not allowed[i].any()]
+            if empty:
+                raise CardfitError(f"--floor {pattern}={fmt} is above every format the map has for "
+                                   f"{names[empty[0]]} ({', '.join(fmts)})",
+                                   f"lower the floor, or scan a format of at least {get_format(fmt).bits:g} bits")
         experts = _expert_rules(data["groups"], fmts, target, allowed)
         if not allowed.any(axis=1).all():
             raise CardfitError(f"none of the map's formats ({', '.join(fmts)}) is served by {runtime}",
@@ -283,8 +289,11 @@ def plan(map_path: str | Path | dict, weight_budget: int, formats: list[str] | N
     if solution is None:  # the minimum is stated against the whole budget, reserve included
         from .budget import no_fit_message
 
+        info = budget_info or {}
+        raise_it = ("raise --vram or lower --context" if "vram_bytes" in info else
+                    "raise --size" if "file_size_bytes" in info else "raise --weight-budget")
         raise CardfitError(no_fit_message(weight_budget, minimum_bytes(problem) + reserve_bytes),
-                           "raise --vram, lower --context, or allow smaller --formats")
+                           f"{raise_it}, or allow smaller --formats")
     uniform = {f: int(problem.bytes[:, j].sum()) for j, f in enumerate(problem.formats)}
     groups = []
     for g, c in enumerate(solution.choice):

@@ -484,3 +484,13 @@ def test_a_tokenizer_with_more_tokens_than_embedding_rows_is_refused(tmp_path, r
     code, _, err = run_cli("scan", model, "--max-tokens", "64", "--seq-len", "32", "--out", tmp_path / "map.json")
     assert code == 2 and "embedding has 1000 rows" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "map.json").exists()
+
+
+def test_plan_messages_name_the_real_cause_and_a_fix_that_exists(planned_map, tmp_path, run_cli):
+    the_map, budget = planned_map
+    out = ["--out", tmp_path / "r.json"]
+    code, _, err = run_cli("plan", the_map, "--weight-budget", budget, "--floor", "*=F16", *out)
+    assert code == 2 and "--floor *=F16 is above every format the map has" in err, err  # was "not served by"
+    code, _, err = run_cli("plan", the_map, "--weight-budget", "1000", *out)
+    assert code == 2 and "raise --weight-budget" in err and "--vram" not in err, err
+    assert not (tmp_path / "r.json").exists()
