@@ -74,11 +74,12 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks ins
 
 @app.command("budget")
 def budget_command(
+    model: Optional[str] = typer.Argument(None, help="Model directory, config.json, .gguf or cached hub id "
+                                          "(default: the embedded model), as every command names it."),
     vram: str = typer.Option(..., help="Memory ceiling, e.g. 24GiB, 6GB, 512MiB or bytes."),
     context: int = typer.Option(8192, help="Context length in tokens per sequence."),
     config: Optional[str] = typer.Option(None, "--config", "--model",
-                                         help="config.json, model directory, .gguf or cached hub id "
-                                              "(default: the embedded model)."),
+                                         help="The same as MODEL, as an option (the older spelling)."),
     batch: int = typer.Option(1, min=1, help="Concurrent sequences whose KV cache must fit."),
     kv_dtype: str = typer.Option("f16", help="KV cache dtype: f16, bf16, fp8 (vLLM), q8_0, q4_0 (llama.cpp)."),
     runtime: str = typer.Option("llama.cpp", help="The runtime target: llama.cpp, ollama, vllm or vllm-cpu."),
@@ -92,6 +93,9 @@ def budget_command(
     from .overhead import OverheadSettings
     from .units import parse_bytes
 
+    if model is not None and config is not None and model != config:
+        raise CardfitError(f"two models named: {model} and --config/--model {config}", "name the model once")
+    config = config if config is not None else model
     settings = OverheadSettings(
         cuda_context=parse_bytes(cuda_context, "--cuda-context") if cuda_context else None,
         gpu_memory_utilization=gpu_memory_utilization, flash_attention=flash_attention)

@@ -143,3 +143,13 @@ def test_budget_table_cli(run_cli):
     assert "attention layers 28 (KV 114688 bytes/token, f16)" in out
     assert "- KV cache 1.75 GiB (16384 tokens x 1 seq)" in out
     assert "= weight budget" in out
+
+
+def test_budget_names_the_model_as_every_command_does(tiny_models, run_cli):
+    """`cardfit budget MODEL` as scan, fit and sizes take it (it was refused); --model keeps working, and two
+    different models named are refused."""
+    model = str(tiny_models["llama"])
+    positional = run_cli("budget", model, "--vram", "1GiB")
+    assert positional[0] == 0 and positional == run_cli("budget", "--model", model, "--vram", "1GiB")
+    code, _, err = run_cli("budget", model, "--vram", "1GiB", "--config", str(tiny_models["qwen2"]))
+    assert code == 2 and "two models named" in err
