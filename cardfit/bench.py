@@ -37,6 +37,23 @@ def max_context_tokens(geometry, vram: int, weight_bytes: int, runtime: str, bat
     return low
 
 
+def _refuse_oversized_context(path: Path, tokens: int) -> None:
+    """Before llama.cpp allocates a context of `tokens`: refuse one whose KV cache alone would not fit the
+    memory this machine has free (`bench --gen-tokens 100000000000` grew to 22.9 GB and was killed)."""
+    import psutil
+
+    from .kv import kv_cache
+    from .sources import GgufSource
+    from .units import format_bytes
+
+    need = kv_cache(GgufSource(path).geometry, tokens).kv_bytes
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise CardfitError(f"--prompt-tokens + --gen-tokens = {tokens} tokens need a {format_bytes(need)} KV cache, "
+                           f"more than the {format_bytes(free)} of memory free here",
+                           "lower --gen-tokens (and --prompt-tokens)")
+
+
 def bench(artifact: str | Path, vram: str | int | None = None, prompt_tokens: int = 256, gen_tokens: int = 32,
           text: str | Path | None = None, threads: int | None = None) -> dict:
     """Measure a GGUF in llama.cpp: load, memory, prompt and generation tokens/s, context that fits `vram`."""
@@ -49,11 +66,7 @@ def bench(artifact: str | Path, vram: str | int | None = None, prompt_tokens: in
     path = Path(artifact)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise CardfitError(f"{path} is not a .gguf file", "cardfit bench measures GGUF artifacts in llama.cpp")
-    trained = GgufSource(path).config.get("max_position_embeddings")
-    if trained and prompt_tokens + gen_tokens > trained:  # before llama.cpp allocates a context that size
-        raise CardfitError(f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens} is more than the "
-                           f"{trained} tokens {path.name} was trained on",
-                           f"keep the two within {trained} (e.g. --gen-tokens {max(1, trained - prompt_tokens)})")
+    _refuse_oversized_context(path, prompt_tokens + gen_tokens)
     from .runtimes import load_llama
 
     process = psutil.Process()

@@ -177,11 +177,13 @@ def _refuse_foreign_map(map_path, source, rounding: str) -> None:
     """A --map compare cannot plan llama.cpp rows from, refused before any work: another runtime's, another
     model's, or another rounding's."""
     from .maps import check_map_model, read_map
+    from .targets import for_artifact
 
+    shelf = for_artifact("gguf").name  # whose presets compare meets
     data = read_map(map_path)
-    if data.get("runtime", "llama.cpp") != "llama.cpp":
-        raise CardfitError(f"{map_path} was scanned for {data['runtime']}, and compare meets llama.cpp's presets",
-                           "scan a llama.cpp map (GGUF formats), or leave --map out")
+    if data.get("runtime", shelf) != shelf:
+        raise CardfitError(f"{map_path} was scanned for {data['runtime']}, and compare meets {shelf}'s presets",
+                           f"scan a {shelf} map (GGUF formats), or leave --map out")
     check_map_model(data, source)
     if data.get("rounding", "rtn") != rounding:
         raise CardfitError(f"{map_path} was scanned with {data.get('rounding')} rounding, this comparison rounds "

@@ -167,6 +167,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     writes = files + tuple(f"{label}/{name}" for label, _ in labelled or () for name in files)
     out = guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)},
                        kind="workdir", writes=writes)
+    for folder in [out] + [out / label for label, _ in labelled or ()]:  # a state fit did not write: refused now
+        _read_state(folder / "fit.json")
     source = runnable(source)
     refuse_unpackable(source, target.artifact, layout=True)
 

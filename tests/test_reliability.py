@@ -411,12 +411,12 @@ def test_compare_refuses_a_map_of_another_runtime_before_any_work(tiny_models, t
 
 
 def test_a_size_bomb_in_bench_is_refused_before_llama_cpp_allocates(run_cli):
-    """`bench --gen-tokens 100000000000` grew to 22.9 GB and was killed by the kernel; the trained context
-    bounds it before anything is allocated."""
+    """`bench --gen-tokens 100000000000` grew to 22.9 GB and was killed by the kernel; the KV cache it would
+    need is checked against the free memory before anything is allocated."""
     from cardfit.default_model import default_gguf
 
     code, _, err = run_cli("bench", default_gguf(), "--gen-tokens", "100000000000")
-    assert code == 2 and "trained on" in err and "--gen-tokens" in err and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and "KV cache" in err and "lower --gen-tokens" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_non_finite_number_is_never_written_into_an_artifact(tmp_path):
