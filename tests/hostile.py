@@ -316,7 +316,7 @@ add("usage", "context-not-a-number", lambda ws: ["budget", "--vram", "6GiB", "--
 add("usage", "batch-not-a-number", lambda ws: ["budget", "--vram", "6GiB", "--batch", "x"], "--batch")
 add("usage", "max-tokens-float", lambda ws: ["scan", "--max-tokens", "1.5"], "--max-tokens")
 add("usage", "ceiling-not-a-number", lambda ws: ["check", "a.gguf", "--ceiling", "high"], "--ceiling")
-add("usage", "extra-argument", lambda ws: ["budget", "--vram", "6GiB", "surplus"], "unexpected extra argument")
+add("usage", "extra-argument", lambda ws: ["budget", "default", "--vram", "6GiB", "surplus"], "unexpected extra argument")
 add("usage", "option-missing-value", lambda ws: ["budget", "--vram"], "--vram")
 add("usage", "flag-given-a-value", lambda ws: ["budget", "--vram", "6GiB", "--json=yes"], "--json")
 

@@ -36,9 +36,9 @@ def _reader(path: Path):
     end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=reader.data_offset)
     after = Path(path).stat().st_size - end
     if not 0 <= after < max(int(reader.alignment), 1):  # a writer pads the last tensor to the alignment at most
-        raise CardfitError(f"{path}'s header does not describe the file: its tensors' data ends {abs(after)} bytes "
-                           f"{'before' if after > 0 else 'after'} the file does (a tensor missing from its table, "
-                           "or a truncated file)", "re-download the file or convert the model again")
+        raise CardfitError(f"{path}: its GGUF header does not describe the file: its tensors' data ends "
+                           f"{abs(after)} bytes {'before' if after > 0 else 'after'} the file does (a tensor missing "
+                           "from its table, or a truncated file)", "re-download the file or convert the model again")
     return reader
 
 
