@@ -35,11 +35,20 @@ def _reader(path: Path):
                            "re-download the file or convert the model again") from None
     end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=reader.data_offset)
     after = Path(path).stat().st_size - end
-    if not 0 <= after < max(int(reader.alignment), 1):  # a writer pads the last tensor to the alignment at most
+    if not (0 <= after < max(int(reader.alignment), 1) or _zeros_after(path, end, after)):  # padding, nothing else
         raise CardfitError(f"{path}: its GGUF header does not describe the file: its tensors' data ends "
                            f"{abs(after)} bytes {'before' if after > 0 else 'after'} the file does (a tensor missing "
                            "from its table, or a truncated file)", "re-download the file or convert the model again")
     return reader
+
+
+def _zeros_after(path: Path, end: int, count: int) -> bool:
+    """Whether the `count` bytes after `end` are all zero (padding), read only up to 1 MiB of them."""
+    if not 0 <= count <= 1 << 20:
+        return False
+    with open(path, "rb") as fh:
+        fh.seek(end)
+        return not fh.read(count).strip(b"\0")
 
 
 def _field(reader, key: str):
