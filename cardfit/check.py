@@ -112,16 +112,14 @@ def _finite(x: float) -> float | None:
 
 def _chunks(runtime, body: str, text_path: Path, seq_len: int, max_tokens: int, reference, tokenizer_dir):
     """Token chunks from the reference's tokenizer (so both sides see the same ids), else the runtime's own."""
-    from .text import token_chunks
+    from .text import load_tokenizer, token_chunks
 
     tok_dir = tokenizer_dir or reference
     if tok_dir is not None:
-        from transformers import AutoTokenizer
-
         from .sources import open_model
 
         model = open_model(tok_dir, run=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+        tokenizer = load_tokenizer(str(model.path))
         return token_chunks(tokenizer, body, seq_len, max_tokens, source=str(text_path), rows=model.embedding_rows())
 
     class _Wrap:  # token_chunks' tokenizer interface over the runtime's own tokenizer

@@ -543,7 +543,7 @@ def models_command(ctx: typer.Context):
     for model in CATALOG.values():
         typer.echo(f"{model.name:<22} {model.size / 2**20:>6.0f} MiB  {status(model):<15} {model.title}")
     typer.echo("fetch with: cardfit models get NAME (or --all); then name it to any command, e.g. "
-               "cardfit fit qwen2.5-coder-1.5b --vram 2GiB")
+               "cardfit fit qwen2.5-coder-1.5b --vram 2GiB; re-read what is here with: cardfit models verify")
 
 
 @models_app.command("get")
@@ -566,6 +566,32 @@ def models_get_command(
         get(name, log=typer.echo)
 
 
+@models_app.command("verify")
+def models_verify_command(
+    names: list[str] = typer.Argument(None, help="Catalog names (default: every fetched one)."),
+):
+    """Re-read and re-hash fetched models, trusting no remembered hash; remove a corrupted one (exit 2)."""
+    from .catalog import CATALOG, fetched, verify
+
+    for name in names or []:
+        if name not in CATALOG:
+            raise CardfitError(f"no catalog model '{name}'", "known: " + ", ".join(CATALOG))
+        fetched(name)  # a named model that is not here is one line before any reading
+    wanted = list(dict.fromkeys(names)) if names else [n for n, model in CATALOG.items() if model.path().is_file()]
+    if not wanted:
+        typer.echo("no catalog model is downloaded; nothing to verify (fetch with: cardfit models get NAME)")
+        return
+    corrupted = 0
+    for name in wanted:
+        try:
+            typer.echo(verify(name))
+        except CardfitError as exc:  # one line each, every model still checked; exit 2 at the end
+            corrupted += 1
+            _fail(exc, f"error: {exc}", 2)
+    if corrupted:
+        raise typer.Exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: every user error is one line on stderr and exit 2; Ctrl-C 130, SIGTERM 143.
 
@@ -574,8 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     by the time this prints its line."""
     argv = _optional_values(list(sys.argv[1:] if argv is None else argv))
     _state["signalled"] = None
+    _help_for_the_terminal()
     with _signals_raise():
         try:
+            _refuse_empty_arguments(argv)
             code = app(args=argv, standalone_mode=False, prog_name="cardfit")
         except CardfitError as exc:
             return _fail(exc, f"error: {exc}", 2)
@@ -598,11 +626,43 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(exc, INTERRUPTED, 130)
             if _state["signalled"] == signal.SIGTERM:
                 return _fail(exc, TERMINATED, 143)
-            raise
+            # a bug of ours, not the user's error: still one line, never a traceback, but exit 70 (EX_SOFTWARE),
+            # so scripts and the fuzzer (tests/test_fuzz.py) tell it from a refusal
+            return _fail(exc, f"error: internal error ({exc.__class__.__name__}: {str(exc)[:200]}) — a bug in "
+                              "cardfit: rerun with --debug for the traceback and report it", INTERNAL_ERROR)
     if code == 130:  # typer turns KeyboardInterrupt into this return value
         typer.echo(INTERRUPTED, err=True)
         return 130
     return code if isinstance(code, int) else 0
+
+
+NARROW_TERMINAL = 100  # columns below which rich's help panels squeeze descriptions to two words a line
+
+
+def _help_for_the_terminal() -> None:
+    """Help as rich panels on a wide terminal; below NARROW_TERMINAL columns click's plain layout, which
+    puts a long option's description under it at full width instead of in a column a few words wide."""
+    import shutil
+
+    mode = None if shutil.get_terminal_size((NARROW_TERMINAL, 24)).columns < NARROW_TERMINAL else "rich"
+    for typer_app in (app, models_app):
+        typer_app.rich_markup_mode = mode
+
+
+INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE
+
+
+def _refuse_empty_arguments(argv: list[str]) -> None:
+    """An empty (or blank) argument is refused in one place for every command: as a path it would mean the
+    current directory (`plan --frontier ""` replaced the recipe and then failed on '.'), as a value nothing."""
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=") if arg.startswith("--") and "=" in arg else (None, "", arg)
+        if value.strip():
+            continue
+        flag = flag or (argv[i - 1] if i and argv[i - 1].startswith("--") else None)
+        if flag:
+            raise CardfitError(f"{flag} is given an empty value", f"give {flag} a value, or leave it out")
+        raise CardfitError(f"argument {i + 1} is empty", "remove it, or fill it in")
 
 
 OPTIONAL_VALUES = {"--ray": "local"}  # options whose value may be left out: bare --ray starts a local cluster

@@ -46,13 +46,12 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
     """Run the calibration text through the model one layer at a time and write llama.cpp's imatrix; `log`
     hears what it will do and, once the first layer is done, how long the rest should take."""
     import gguf
-    from transformers import AutoTokenizer
 
     from .atomic import atomic_path
     from .calibrate import LayerCalibration
     from .paths import guard_output, input_paths, model_paths
     from .sources import open_model, runnable
-    from .text import load_text, token_chunks
+    from .text import load_text, load_tokenizer, token_chunks
 
     out = Path(out)
     if out.suffix != ".gguf":
@@ -62,7 +61,7 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
     source = runnable(source)
     names = gguf_tensor_names(source)
     text, text_path = load_text(calibration)
-    chunks = token_chunks(AutoTokenizer.from_pretrained(str(source.path)), text, seq_len, max_tokens,
+    chunks = token_chunks(load_tokenizer(str(source.path)), text, seq_len, max_tokens,
                           source=str(text_path), rows=source.embedding_rows())
     tokens = int(chunks.numel())
     calib = LayerCalibration(source, chunks, "imatrix", device=device)
@@ -124,19 +123,22 @@ class ImatrixFile:
     """A llama.cpp imatrix (GGUF) as pack's calibration: the same per-layer interface as LayerCalibration."""
 
     def __init__(self, path: str | Path, source: ModelSource):
-        import gguf
+        from .sources.gguf_file import read_gguf
 
         path = self.path = Path(path)
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except (OSError, ValueError) as exc:
-            raise CardfitError(f"{path} is not a readable GGUF imatrix ({exc})",
-                               "make one with cardfit imatrix or llama-imatrix --output-format gguf") from None
+        if not path.is_file():
+            raise CardfitError(f"no imatrix file at {path}", "check the path, or make one with cardfit imatrix")
+        reader = read_gguf(path, "GGUF imatrix", "make one with cardfit imatrix or llama-imatrix --output-format gguf")
         kind = reader.get_field("general.type")
         if kind is None or kind.contents() != "imatrix":
             raise CardfitError(f"{path} is a GGUF file but not an imatrix (general.type is not 'imatrix')",
                                "make one with cardfit imatrix or llama-imatrix --output-format gguf")
         tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+        for name, values in tensors.items():
+            if not np.isfinite(values).all() or (values < 0).any():
+                raise CardfitError(f"{path}: {name} holds {'negative' if np.isfinite(values).all() else 'non-finite'} "
+                                   "values (sums of squares and counts are finite and never negative)",
+                                   "make the imatrix again with cardfit imatrix")
         self.means: dict[str, torch.Tensor] = {}
         self.unvisited: list[str] = []  # routed experts' matrices the file has no token for
         shapes = {t.name: t.shape for t in source.tensors()}

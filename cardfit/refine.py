@@ -124,12 +124,10 @@ def refine(recipe: dict, map_data: dict, model: str | Path | None = None, calibr
     Measures on the map's own calibration text (pass it when it was not the bundled one), over the
     map's token count or `max_tokens` of it: more tokens than the map's guard against fitting the
     re-plan to the calibration sample. Returns the recipe with a `refinement` record."""
-    from transformers import AutoTokenizer
-
     from .maps import check_map_model
     from .plan import map_hash, plan
     from .sources import open_model
-    from .text import load_text, text_hash, token_chunks
+    from .text import load_text, load_tokenizer, text_hash, token_chunks
 
     if top < 1 or rounds < 1:
         raise CardfitError("--top and --rounds must be at least 1", "e.g. --top 8 --rounds 1")
@@ -142,7 +140,7 @@ def refine(recipe: dict, map_data: dict, model: str | Path | None = None, calibr
     if text_hash(text) != calib["sha256"]:
         raise CardfitError(f"{text_path.name} is not the text the map was scanned on ({calib['source']})",
                            "pass --calibration with the map's own calibration text")
-    tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+    tokenizer = load_tokenizer(str(source.path))
     chunks = token_chunks(tokenizer, text, calib["seq_len"], max_tokens or calib["tokens"], source=str(text_path),
                           rows=source.embedding_rows())
     formats = list(map_data["formats"])

@@ -63,6 +63,7 @@ class StreamedModel:
         self.place = placements(config.model_type, [t.name for ts in self.groups.values() for t in ts],
                                 {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
                                 | {n for n, _ in self.model.named_buffers()})
+        self._refuse_unplaced(type(self.model).__name__)
         self._refuse_uncovered_stacks()
         self.tied = source.tied_embeddings
         self.keep_bytes = keep_bytes
@@ -73,6 +74,35 @@ class StreamedModel:
         self._prefetched: dict[str, Future] = {}
         self._reader = ThreadPoolExecutor(max_workers=1) if prefetch else None
         self._kwargs: dict[tuple, list[dict]] = {}
+
+    def _refuse_unplaced(self, model_class: str) -> None:
+        """Every checkpoint tensor has a place in the module tree the config builds, and every parameter of
+        that tree outside the embedding's tie gets a tensor: a checkpoint with a tensor the architecture has no
+        place for (or one short of a tensor) is weights of another model, refused before any compute."""
+        known = {n for n, _ in self.model.named_parameters(remove_duplicate=False)} | {
+            n for n, _ in self.model.named_buffers()}
+        extra = sorted(name for name, place in self.place.items() if place.param not in known)
+        fix = "use the config.json that came with these weights (or re-download the model)"
+        if extra:
+            raise CardfitError(f"the checkpoint holds {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}"
+                               f", for which {model_class} (the config's architecture) has no place", fix)
+        shapes = {t.name: tuple(t.shape) for ts in self.groups.values() for t in ts}
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, place in self.place.items():
+            expected = tuple(parameters[place.param].shape) if place.whole and place.param in parameters else None
+            if expected is not None and name in shapes and shapes[name] != expected:
+                raise CardfitError(f"the checkpoint's {name} is {'x'.join(map(str, shapes[name]))}, but the config "
+                                   f"builds {place.param} as {'x'.join(map(str, expected))}", fix)
+        filled = {place.param for place in self.place.values()}
+        names_of: dict[int, list[str]] = {}  # a parameter (tied ones are one object) -> its dotted names
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(param), []).append(name)
+        head = self.model.get_output_embeddings()
+        spared = {id(head.weight)} if head is not None and self.source.tied_embeddings else set()  # the embedding
+        unfilled = sorted(names[0] for key, names in names_of.items() if key not in spared and not filled & set(names))
+        if unfilled:
+            raise CardfitError(f"the checkpoint has no tensor for {unfilled[0]}"
+                               f"{f' and {len(unfilled) - 1} more' if len(unfilled) > 1 else ''} of {model_class}", fix)
 
     def _refuse_uncovered_stacks(self) -> None:
         """Every slice of a fused expert stack has a checkpoint tensor (an unfilled one would compute with

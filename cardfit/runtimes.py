@@ -121,7 +121,9 @@ class TransformersRuntime(Runtime):
     name = "transformers"
 
     def __init__(self, path: str | Path, device: str = "cpu"):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from .text import load_tokenizer
 
         self.path = Path(path)
         _refuse_zero_points(self.path)
@@ -132,7 +134,7 @@ class TransformersRuntime(Runtime):
             raise CardfitError(f"transformers cannot load {self.path} ({exc.__class__.__name__}: {exc})",
                                "re-pack the artifact") from None
         self.model.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.tokenizer = load_tokenizer(str(self.path))
         self.device = device
 
     def tokenize(self, text: str) -> list[int]:
@@ -155,7 +157,9 @@ class BitsAndBytesRuntime(Runtime):
         import importlib
         from importlib.metadata import version
 
-        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        from .text import load_tokenizer
 
         self.path = Path(path)
         try:
@@ -172,7 +176,7 @@ class BitsAndBytesRuntime(Runtime):
             raise CardfitError(f"bitsandbytes cannot load {self.path} ({exc.__class__.__name__}: {exc})",
                                "give a full-precision model directory") from None
         self.model.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.tokenizer = load_tokenizer(str(self.path))
         self.device = device
         self.name = f"transformers + bitsandbytes {version('bitsandbytes')} NF4"
 
@@ -222,9 +226,9 @@ class VllmRuntime(Runtime):
         self.vocab_size = geometry_from_config(load_config(self.path), source=str(self.path)).vocab_size
 
     def tokenize(self, text: str) -> list[int]:
-        from transformers import AutoTokenizer
+        from .text import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path))(text, add_special_tokens=False).input_ids
+        return load_tokenizer(str(self.path))(text, add_special_tokens=False).input_ids
 
     def prepare(self, chunks: torch.Tensor) -> None:
         import tempfile

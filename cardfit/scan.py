@@ -44,7 +44,7 @@ from .metrics import DistanceMeter, kl_from_logprobs, target_nll
 from .schemas import KL_METRIC, MAP_VERSION, model_header
 from .groups import EMBED, LM_HEAD, NORM, GroupId, expert_stack
 from .sources import ModelSource, open_model, runnable
-from .text import load_text, text_hash, token_chunks
+from .text import load_text, load_tokenizer, text_hash, token_chunks
 from .weight_signal import METRIC as WEIGHT_METRIC
 
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
@@ -452,8 +452,6 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     at most `workers` at a time; the map is the same bytes. `method='adaptive'` measures exactly only the
     cells that decide the plans at `weight_budgets` (plan's --weight-budget) and estimates the rest by
     `signal` ('fast', the streamed Fisher, by default for RTN; 'weight' otherwise)."""
-    from transformers import AutoTokenizer
-
     from .paths import guard_output, input_paths, model_paths
     from .engine import Engine
 
@@ -501,7 +499,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
     source = runnable(source)
     text, text_path = load_text(calibration)
-    tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+    tokenizer = load_tokenizer(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path), rows=source.embedding_rows())
     header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method, compute)
     out = Path(out)

@@ -38,6 +38,21 @@ def load_text(path: str | Path | None, default: str = "calibration") -> tuple[st
     return text, path
 
 
+def load_tokenizer(directory: str | Path, **kwargs):
+    """transformers' tokenizer of a model directory (or of a GGUF, with gguf_file=), with any failure to read
+    its files (a cut-short or edited tokenizer.json, a missing one, a config naming a class that does not
+    exist) turned into one CardfitError naming the directory: every command opens tokenizers here, so a
+    broken one is one line, never a traceback."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), **kwargs)
+    except Exception as exc:  # transformers and tokenizers raise every kind for a bad file
+        detail = str(exc).splitlines()[0][:160] if str(exc) else ""
+        raise CardfitError(f"cannot read the tokenizer of {directory} ({exc.__class__.__name__}: {detail})",
+                           "restore tokenizer.json and tokenizer_config.json from the model's original files") from None
+
+
 def text_hash(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 

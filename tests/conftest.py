@@ -201,3 +201,14 @@ def planned_vllm_cpu_artifact(tmp_path_factory, default_model_dir):
     recipe = plan(root / "map.json", (low + high) // 2, runtime="vllm-cpu")
     report = pack(recipe, default_model_dir, root / "ct", progress=False)
     return sensitivity, recipe, report, root / "ct"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-long", action="store_true",
+                     help="tests/test_fuzz.py: draw many times the CI's examples, at random (not a fixed seed)")
+
+
+def pytest_configure(config):
+    # read by tests/test_fuzz.py when it is imported, after this hook
+    if config.getoption("--fuzz-long", default=False):
+        os.environ["CARDFIT_FUZZ_LONG"] = "1"

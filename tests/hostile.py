@@ -1197,7 +1197,25 @@ def run_all(kit: Path, root: Path, only: list[str] | None = None) -> list[Result
     return results
 
 
+def serve() -> None:
+    """Run commands for another process (tests/test_fuzz.py): one JSON line in ({"argv": [...], "workdir": DIR}),
+    one JSON line out ({"code", "stdout", "stderr"}), each command in a forked child of this process, which
+    has imported cardfit but never computed with torch (a fork after torch's thread pools exist can hang)."""
+    import cardfit.cli  # noqa: F401  imported once here, so each forked command starts warm
+    import cardfit.scan  # noqa: F401
+
+    reply = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        request = json.loads(line)
+        code, stdout, stderr = run_forked(request["argv"], Path(request["workdir"]), request.get("timeout", 120))
+        reply.write(json.dumps({"code": code, "stdout": stdout, "stderr": stderr}) + "\n")
+        reply.flush()
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["serve"]:
+        serve()
+        return 0
     if len(argv) == 2 and argv[0] == "build":
         build_kit(Path(argv[1]))
         return 0

@@ -164,7 +164,7 @@ def test_fit_size_packs_the_best_file_no_larger_than_each_size_from_one_scan(tin
 def test_fit_size_refuses_a_second_budget_or_a_bad_size_before_any_work(tiny_models, tmp_path, run_cli):
     out = tmp_path / "run"
     for args, said in ((["--size", "100MB", "--vram", "1GiB"], "--size and --vram"),
-                       (["--size", ""], "names no size"), (["--size", "1MB,,2MB"], "names no size"),
+                       (["--size", ""], "empty value"), (["--size", "1MB,,2MB"], "names no size"),
                        (["--size", "1MB,1MB"], "twice"), (["--size", "1MB,1000KB"], "twice"),
                        (["--size", "lots"], "--size")):
         code, _, err = run_cli("fit", tiny_models["llama"], "--out", out, *args)

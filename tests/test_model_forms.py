@@ -320,8 +320,11 @@ def test_a_gguf_is_converted_once_per_content(world, tmp_path, capsys, monkeypat
             self.path = path
 
         def materialize(self, out_dir):
+            from cardfit.sources.gguf_file import _write_manifest
+
             made.append(self.path.name)
             shutil.copytree(world.directory, out_dir)
+            _write_manifest(out_dir)  # what the real conversion writes last: the mark of a whole one
             return out_dir
 
     monkeypatch.setattr("cardfit.sources.gguf_file.GgufSource", Converter)

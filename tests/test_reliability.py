@@ -494,3 +494,17 @@ def test_plan_messages_name_the_real_cause_and_a_fix_that_exists(planned_map, tm
     code, _, err = run_cli("plan", the_map, "--weight-budget", "1000", *out)
     assert code == 2 and "raise --weight-budget" in err and "--vram" not in err, err
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("command", ["scan", "fit", "plan", "budget"])
+def test_help_reads_well_at_80_columns(command):
+    """At 80 columns a description runs the width of the terminal (click's plain layout), not a column of two
+    or three words a line (rich's panels squeezed beside long option names): issue 43, item 8."""
+    done = subprocess.run([sys.executable, "-m", "cardfit.cli", command, "--help"], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines and max(len(line) for line in lines) <= 80
+    continued = [line for line in lines if line.startswith(" ") and line.strip() and not line.lstrip().startswith("-")]
+    assert continued and all(len(line) - len(line.lstrip()) <= 40 for line in continued), done.stdout
+    assert not any("│" in line for line in lines)  # no panels: their borders cost the columns a description needs

@@ -160,13 +160,11 @@ def render_pack(report: dict) -> str:
 def _calibration(source, methods: set[str], calibration, max_tokens, seq_len, device, gpu_memory=None):
     if not methods:
         return None
-    from transformers import AutoTokenizer
-
     from ..calibrate import LayerCalibration
-    from ..text import load_text, token_chunks
+    from ..text import load_text, load_tokenizer, token_chunks
 
     text, path = load_text(calibration)
-    tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+    tokenizer = load_tokenizer(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(path))
     return LayerCalibration(source, chunks, methods, device=device, gpu_memory=gpu_memory)
 

@@ -79,9 +79,9 @@ def add_vocab(writer, model_dir: Path, vocab_size: int) -> tuple[list, list[str]
         pre = "default"
         warnings.append("the tokenizer's pre-tokenizer is not one llama.cpp knows by name; wrote 'default', so "
                         "llama.cpp may split some text differently from transformers")
-    from transformers import AutoTokenizer
+    from ..text import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(str(model_dir))
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
     tokens, types = [], []

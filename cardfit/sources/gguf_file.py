@@ -25,20 +25,22 @@ from ..errors import CardfitError
 from .base import ModelSource, TensorInfo, group_of
 
 
-def _reader(path: Path):
+def read_gguf(path: Path, what: str = "GGUF", fix: str = "re-download the file or convert the model again"):
+    """gguf-py's reader of `path`, refusing (one CardfitError) a file gguf-py cannot parse or whose header does
+    not describe the whole file (a tensor missing from its table, a cut-short file, bytes appended past the
+    data other than padding): every GGUF cardfit reads, a model or an imatrix, is opened here."""
     import gguf
 
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:
-        raise CardfitError(f"{path} is not a readable GGUF file ({exc.__class__.__name__}: {exc})",
-                           "re-download the file or convert the model again") from None
+        raise CardfitError(f"{path} is not a readable {what} file ({exc.__class__.__name__}: {exc})", fix) from None
     end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=reader.data_offset)
     after = Path(path).stat().st_size - end
     if not (0 <= after < max(int(reader.alignment), 1) or _zeros_after(path, end, after)):  # padding, nothing else
         raise CardfitError(f"{path}: its GGUF header does not describe the file: its tensors' data ends "
                            f"{abs(after)} bytes {'before' if after > 0 else 'after'} the file does (a tensor missing "
-                           "from its table, or a truncated file)", "re-download the file or convert the model again")
+                           "from its table, or a truncated file)", fix)
     return reader
 
 
@@ -68,7 +70,7 @@ def transformers_config(path: Path, reader=None):
     except Exception as exc:
         raise CardfitError(f"cannot derive a model config from {path.name} ({exc.__class__.__name__}: {exc})",
                            "use a GGUF of an architecture transformers reads, or the original model directory") from None
-    reader = reader or _reader(path)
+    reader = reader or read_gguf(path)
     arch = _field(reader, "general.architecture")
     key_length, value_length = _field(reader, f"{arch}.attention.key_length"), _field(reader, f"{arch}.attention.value_length")
     if (getattr(config, "head_dim", None) is not None and isinstance(key_length, int) and key_length == value_length
@@ -96,19 +98,22 @@ def _derived_tensor_names() -> frozenset[str]:
 
 
 def _file_version(path: Path) -> str:
-    """The file as it is now: (device, inode) names it across renames and links, size and mtime
-    change with every rewrite."""
+    """The file as it is now: (device, inode) names it across renames and links; size, mtime and
+    ctime change with every rewrite. ctime is there because mtime alone can be put back
+    (`os.utime`, `touch -d`, `cp -p`, `rsync -t`) after the bytes changed in place; the kernel sets
+    ctime to now on every write, utime, chmod, link and rename, and no system call sets it back
+    (short of changing the clock). A rename or chmod therefore costs one re-hash. What no key of
+    stat() sees is a change below the file system (a failing disk, a raw write to the device):
+    only a fresh hash finds that (`cardfit models verify`)."""
     st = path.stat()
-    return f"{st.st_dev}:{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+    return f"{st.st_dev}:{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
 
-def content_hash(path: Path) -> str:
-    """sha256 of the file's bytes, remembered per file version (`_file_version`) in the cache so an
-    unchanged multi-GB file is hashed once, and an edited or replaced one is hashed again."""
-    from ..atomic import write_json
+def _hash_index() -> tuple[Path, dict]:
+    """The remembered hashes (`$CARDFIT_CACHE/gguf/hashes.json`: file version -> sha256) and where they live;
+    an unreadable index is an empty one."""
     from ..default_model import cache_root
 
-    key = _file_version(path)
     index_path = cache_root() / "gguf" / "hashes.json"
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
@@ -116,19 +121,71 @@ def content_hash(path: Path) -> str:
             index = {}
     except (OSError, ValueError, RecursionError):
         index = {}
-    if isinstance(index.get(key), str):
-        return index[key]
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(block)
-    value = digest.hexdigest()
-    index = {k: v for k, v in index.items() if k.split("|")[0] != key.split("|")[0]}  # the file's older versions
-    index[key] = value
+    return index_path, index
+
+
+def _write_hash_index(index_path: Path, index: dict) -> None:
+    from ..atomic import write_json
+
     try:
         write_json(index_path, index)
     except (CardfitError, OSError):
         pass  # a read-only cache only costs re-hashing next time
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 23), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def remember_content_hash(path: Path, value: str) -> None:
+    """Record `value` as the sha256 of the file at `path` as it is now (its `_file_version`), replacing
+    what was remembered for the file's older versions. For a caller that has just hashed the bytes
+    it wrote (`cardfit models get`), so the first run that uses the file does not read it again."""
+    _remember(_file_version(path), value)
+
+
+def _remember(key: str, value: str) -> None:
+    index_path, index = _hash_index()
+    index = {k: v for k, v in index.items() if k.split("|")[0] != key.split("|")[0]}  # the file's older versions
+    index[key] = value
+    _write_hash_index(index_path, index)
+
+
+def forget_content_hash(path: Path) -> bool:
+    """Drop every remembered hash of the file at `path` (all its versions: keyed by device and inode),
+    so nothing vouches for its bytes any more. Call it before removing the file (its inode is read
+    from it). True if there was an entry to drop."""
+    inode = _file_version(path).split("|")[0]
+    index_path, index = _hash_index()
+    kept = {k: v for k, v in index.items() if k.split("|")[0] != inode}
+    if len(kept) == len(index):
+        return False
+    _write_hash_index(index_path, kept)
+    return True
+
+
+def content_hash(path: Path, fresh: bool = False) -> str:
+    """sha256 of the file's bytes, remembered per file version (`_file_version`) in the cache so an
+    unchanged multi-GB file is hashed once, and an edited or replaced one is hashed again.
+
+    `fresh=True` ignores what is remembered: the bytes are read and hashed now, and the result is
+    remembered for the file's current version (what `cardfit models get` and `models verify` do).
+    Without it a file whose bytes were changed in place is still caught as long as its ctime moved,
+    which restoring its mtime cannot undo; it is not re-read on every use, since a fresh sha256
+    measured 0.8 s/GB from the page cache but 3.0-3.4 s/GB on a first (cold) read on the
+    development machine (issue 43: re-hash on first use only if under 1 s/GB)."""
+    key = _file_version(path)
+    if not fresh:
+        _, index = _hash_index()
+        if isinstance(index.get(key), str):
+            return index[key]
+    value = _sha256_of(path)
+    if _file_version(path) == key:  # not remembered if the file changed while it was read
+        _remember(key, value)
     return value
 
 
@@ -139,7 +196,7 @@ def converted_dir(path: Path) -> Path:
 
     digest = content_hash(path)[:16]
     root = cache_root() / "gguf"
-    made = sorted(d for d in root.glob(f"*-{digest}-f16") if (d / "config.json").exists()) if root.is_dir() else []
+    made = sorted(d for d in root.glob(f"*-{digest}-f16") if (d / MANIFEST).exists()) if root.is_dir() else []
     return made[0] if made else root / f"{path.stem}-{digest}-f16"
 
 
@@ -153,13 +210,82 @@ def converted_source(path: str | Path, source: "GgufSource | None" = None):
     if not path.is_file():
         raise CardfitError(f"no GGUF file at {path}", "check the path")
     target = converted_dir(path)
-    if not (target / "config.json").exists():
+    converted = _cached_conversion(target)
+    if converted is None:
         source = source or GgufSource(path)
         print(f"converting {path.name} to an f16 model directory, once: {target}", file=sys.stderr, flush=True)
         source.materialize(target)
-    converted = HfDirectorySource(target)
+        converted = HfDirectorySource(target)
     converted.origins = (path,)  # what it was made from: outputs must not overwrite it either
     return converted
+
+
+MANIFEST = "cardfit-manifest.json"  # written last into a conversion: its files' sizes, and small ones' sha256
+MANIFEST_HASHED_BELOW = 64 << 20  # files under this are hashed (tokenizer, configs); shards only sized
+
+
+def _write_manifest(directory: Path) -> None:
+    """Record every file of a finished conversion: bytes, and sha256 where small enough to check on every
+    read (tokenizer and config files: milliseconds). Its presence is what makes the conversion whole."""
+    from ..atomic import write_json
+
+    entries = {}
+    for file in sorted(p for p in directory.iterdir() if p.is_file()):
+        size = file.stat().st_size
+        entries[file.name] = {"bytes": size, "sha256": hashlib.sha256(file.read_bytes()).hexdigest()
+                              if size < MANIFEST_HASHED_BELOW else None}
+    write_json(directory / MANIFEST, {"files": entries})
+
+
+def _manifest_problem(directory: Path) -> str | None:
+    """What is wrong with a conversion against its manifest (None: every file is as written)."""
+    try:
+        entries = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))["files"]
+        for name, entry in entries.items():
+            file = directory / name
+            if not file.is_file() or file.stat().st_size != entry["bytes"]:
+                return f"{name} is missing or not {entry['bytes']} bytes"
+            if entry["sha256"] is not None and hashlib.sha256(file.read_bytes()).hexdigest() != entry["sha256"]:
+                return f"{name} changed since it was written"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        return f"its manifest is unreadable ({exc.__class__.__name__})"
+    return None
+
+
+def _cached_conversion(target: Path):
+    """The cached conversion at `target` if it is whole — every file as its manifest recorded it (sizes; the
+    sha256 of the small ones: tokenizer and config files), its shards' headers readable — else None, with
+    a damaged one removed (and said so on stderr) so that it is made again: a cache entry is checked when
+    it is read, never trusted because it exists. A shard's bytes changed in place at the same size are not
+    seen here (hashing GBs on every run costs seconds); `check` against the reference would see them."""
+    import shutil
+
+    from .hf_dir import HfDirectorySource
+
+    if not target.is_dir():
+        return None
+    problem = _manifest_problem(target)
+    if problem is None:
+        try:
+            return HfDirectorySource(target)
+        except CardfitError as exc:
+            problem = str(exc).splitlines()[0][:160]
+    print(f"the cached conversion {target} is damaged ({problem}); converting again", file=sys.stderr, flush=True)
+    shutil.rmtree(target, ignore_errors=True)
+    return None
+
+
+def _memo_whole(header) -> bool:
+    """Whether a header memo read from the cache has the shape `_header` writes (an edited or damaged one is
+    parsed again rather than trusted)."""
+    try:
+        return (isinstance(header["config"], dict) and isinstance(header["metadata"], dict)
+                and isinstance(header["tensors"], list)
+                and all(isinstance(name, str) and isinstance(dtype, str) and type(nbytes) is int and nbytes >= 0
+                        and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                        for name, shape, dtype, nbytes in header["tensors"]))
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 HEADER_MEMO_VERSION = 2  # 2: memos only of files whose header describes the whole file
@@ -198,7 +324,7 @@ class GgufSource(ModelSource):
         memo, key = _header_memo_path(self.path)
         try:
             header = json.loads(memo.read_text(encoding="utf-8"))
-            if isinstance(header, dict) and header.get("key") == key:
+            if isinstance(header, dict) and header.get("key") == key and _memo_whole(header):
                 return header
         except (OSError, ValueError, RecursionError):
             pass
@@ -219,7 +345,7 @@ class GgufSource(ModelSource):
 
     @cached_property
     def _gguf(self):
-        return _reader(self.path)
+        return read_gguf(self.path)
 
     @cached_property
     def _hf_config(self):
@@ -274,12 +400,13 @@ class GgufSource(ModelSource):
         The directory appears whole or not at all; both callers keep it as a cache entry named by the
         file's content, so a whole one (its config written) another process finished first is kept.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+        from transformers import AutoModelForCausalLM, GgufConfig
 
         from ..atomic import atomic_directory
+        from ..text import load_tokenizer
 
         out_dir = Path(out_dir)
-        with atomic_directory(out_dir, keep_whole=lambda made: (made / "config.json").exists()) as tmp:
+        with atomic_directory(out_dir, keep_whole=lambda made: _manifest_problem(made) is None) as tmp:
             try:
                 model = AutoModelForCausalLM.from_pretrained(
                     str(self.path.parent), gguf_file=self.path.name, dtype=dtype,
@@ -288,7 +415,7 @@ class GgufSource(ModelSource):
                     model = model.dequantize(dtype=dtype)
                 model.save_pretrained(tmp, safe_serialization=True)
                 del model
-                AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name).save_pretrained(tmp)
+                load_tokenizer(str(self.path.parent), gguf_file=self.path.name).save_pretrained(tmp)
             except Exception as exc:  # transformers' GGUF support covers some architectures and tokenizers
                 raise CardfitError(f"transformers cannot convert {self.path.name} to a model it runs "
                                    f"({exc.__class__.__name__}: {exc})",
@@ -297,4 +424,5 @@ class GgufSource(ModelSource):
                 from ..default_model import restore_pre_tokenizer
 
                 restore_pre_tokenizer(tmp)
+            _write_manifest(tmp)  # last: a conversion without one is not whole
         return out_dir
