@@ -66,6 +66,14 @@ def build_kit(kit: Path) -> None:
     (kit / "recipe-ct.json").write_text(json.dumps(ct))
 
 
+def made_kit(parent: Path) -> Path:
+    """The kit built under `parent` in a fresh process (as build_kit requires), for a pytest fixture."""
+    kit = parent / "kit"
+    done = subprocess.run([sys.executable, str(TESTS / "hostile.py"), "build", str(kit)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return kit
+
+
 # -- a case's workspace -----------------------------------------------------------------------------
 
 class Workspace:

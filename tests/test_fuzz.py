@@ -80,11 +80,7 @@ class Server:
 @pytest.fixture(scope="session")
 def kit(tmp_path_factory) -> Path:
     """The hostile suite's kit: a tiny random Llama, its map, recipe, GGUF and imatrix."""
-    kit = tmp_path_factory.mktemp("fuzz") / "kit"
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "build", str(kit)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return kit
+    return hostile.made_kit(tmp_path_factory.mktemp("fuzz"))
 
 
 @pytest.fixture(scope="session")
@@ -97,21 +93,14 @@ def server(tmp_path_factory):
 _count = itertools.count()
 
 
-class Trial:
-    """One example's workspace: copies of the kit's inputs, spoiled by the strategy, then one command."""
+class Trial(hostile.Workspace):
+    """One example's workspace (the hostile suite's: `copy` takes a kit input), spoiled by the strategy,
+    then one command."""
 
     def __init__(self, kit: Path):
-        self.kit = kit
-        self.root = kit.parent / "trials" / f"t{next(_count)}"
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.root.mkdir(parents=True)
-
-    def copy(self, name: str) -> Path:
-        target = self.root / name
-        if not target.exists():
-            source = self.kit / name
-            (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
-        return target
+        root = kit.parent / "trials" / f"t{next(_count)}"
+        shutil.rmtree(root, ignore_errors=True)
+        super().__init__(root, kit, None)
 
     def run(self, server: Server, argv: list, outputs: tuple[str, ...] = ()) -> tuple[int | None, str, str]:
         """Run `cardfit ARGV` in this workspace and assert the promise; `outputs` are the names (relative to

@@ -23,11 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def hostile_kit(tmp_path_factory) -> Path:
-    kit = tmp_path_factory.mktemp("hostile") / "kit"
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile.py"), "build", str(kit)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return kit
+    return hostile.made_kit(tmp_path_factory.mktemp("hostile"))
 
 
 @pytest.fixture(scope="session")
