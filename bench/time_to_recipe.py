@@ -1,12 +1,12 @@
 """Time to a recipe: for a model and file sizes, the CPU seconds and wall of each stage of fit's imatrix path,
 and the held-out KLD of each file beside llama.cpp's preset of that size.
 
-Stages, each timed in this process (CPU = this process's user + system time, every thread): the importance
-matrix (`cardfit imatrix`), the adaptive scan's pricing (the weight signal over `--formats`, imatrix rounding)
-and its exact measuring (split where the scan logs its first round), then per size plan, pack (with the same
-importance matrix) and check (llama.cpp against the f16 reference on the bundled held-out text). With
-`--presets`, the sizes are llama.cpp's own preset files of the f16 model, quantized with the same importance
-matrix, and each is checked the same way.
+Stages, each timed in this process (CPU = this process's user + system time, every thread): the adaptive
+scan's pricing (the weight signal over `--formats`, imatrix rounding, recording the importance matrix on the
+same walk: `scan --imatrix-out`) and its exact measuring (split where the scan logs its first round), then per
+size plan, pack (with that importance matrix) and check (llama.cpp against the f16 reference on the bundled
+held-out text). With `--presets`, the sizes are llama.cpp's own preset files of the f16 model, quantized with
+an importance matrix of the same tokens as the scan's, and each is checked the same way.
 
     python bench/time_to_recipe.py --model qwen2.5-coder-1.5b --presets Q4_K_M,Q3_K_M,Q2_K,IQ2_M --out bench-out/ttr
 """
@@ -71,26 +71,25 @@ def main() -> None:
     model = args.model
     stages = Stages()
     imatrix = out / "imatrix.gguf"
-    collect_imatrix(model, None, args.tokens, 512, imatrix, progress=False)
-    stages.lap("imatrix")
-    shelf = {}
-    if args.presets:
-        f16 = out / "f16.gguf"
-        pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False, smoke=False)
-        values = llama_imatrix_values(imatrix, source)
-        for preset in args.presets.split(","):
-            shelf[preset] = llama_quantize(f16, out / f"shelf-{preset}.gguf", preset, imatrix=values)
-        sizes = [p.stat().st_size for p in shelf.values()]
-        stages.lap("shelf files (not cardfit's)")
 
     def log(line: str) -> None:
         print(line, flush=True)
         if line.startswith("adaptive round 1:"):
-            stages.lap("pricing (weight signal)")
+            stages.lap("pricing (weight signal; the imatrix recorded on the way)")
 
     map_path = out / "map.json"
+    presets = args.presets.split(",") if args.presets else []
+    if presets:  # the presets' sizes are the budgets: their files come first (the shelf's own imatrix walk)
+        f16 = out / "f16.gguf"
+        pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False, smoke=False)
+        collect_imatrix(model, None, args.tokens, 512, imatrix, progress=False)  # the same tokens as the scan's
+        values = llama_imatrix_values(imatrix, source)
+        shelf = {preset: llama_quantize(f16, out / f"shelf-{preset}.gguf", preset, imatrix=values) for preset in presets}
+        sizes = [p.stat().st_size for p in shelf.values()]
+        imatrix.unlink()  # the scan makes its own on the way: the timed path
+        stages.lap("shelf files (not cardfit's)")
     scan(model, None, args.tokens, args.formats, out=map_path, rounding="imatrix", method="adaptive", signal="weight",
-         weight_budgets=sizes, progress=False, log=log)
+         weight_budgets=sizes, progress=False, log=log, imatrix_out=imatrix)
     stages.lap("measuring (exact cells)")
     reserve = reserve_bytes(source, "llama.cpp")
     reference = ReferenceLogits(model or "default")
@@ -105,7 +104,7 @@ def main() -> None:
         stages.lap("check")
         row = {"size": size, "file_bytes": artifact.stat().st_size, "kld": mine["kld_mean"],
                "predicted": recipe["predicted_damage"]}
-        if shelf:
+        if presets:
             preset, path = list(shelf.items())[index]
             theirs = check(path, model or "default", None, args.check_tokens, 512, reference_logits=reference)
             stages.lap("shelf checks (not cardfit's)")

@@ -167,6 +167,9 @@ def scan_command(
     signal: Optional[str] = typer.Option(None, help="With --method adaptive: what prices the cells it does not "
                                                     "measure: fast (streamed Fisher; default for --rounding rtn) "
                                                     "or weight (the weight signal; default otherwise)."),
+    imatrix_out: Optional[str] = typer.Option(None, help="Also write llama.cpp's imatrix (GGUF) of the same "
+                                                         "calibration tokens here: from the weight signal's walk "
+                                                         "where it prices (one forward for both), else its own."),
 ):
     """Damage of every layer group at every format: the sensitivity map."""
     from .scan import scan
@@ -175,11 +178,11 @@ def scan_command(
     cap = parse_bytes(memory_cap, "--memory-cap") if memory_cap else None
     gpu = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
     budgets = [parse_bytes(b, "--weight-budget/--size") for b in weight_budget.split(",")] if weight_budget else None
-    with holding({"--out": None if estimate else out}, "scan"):
+    with holding({"--out": None if estimate else out, "--imatrix-out": imatrix_out}, "scan"):
         result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding,
                       seq_len, batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
                       log=typer.echo, estimate=estimate, ray=ray, workers=workers, shared_dir=shared_dir,
-                      weight_budgets=budgets, signal=signal)
+                      weight_budgets=budgets, signal=signal, imatrix_out=imatrix_out)
     if estimate:
         if result["estimate"] is None:
             typer.echo(f"{out} is complete: nothing to measure")
@@ -187,6 +190,8 @@ def scan_command(
     cells = sum(len(g["cells"]) for g in result["groups"])
     typer.echo(f"scanned {len(result['groups'])} groups x {len(result['formats'])} formats = {cells} cells over "
                f"{result['calibration']['tokens']} tokens -> {out}")
+    if imatrix_out is not None:
+        typer.echo(f"imatrix of the same tokens -> {imatrix_out}")
     for warning in result["warnings"]:
         typer.echo(f"warning: {warning}", err=True)
 

@@ -20,6 +20,7 @@ from .units import format_bytes
 # llama.cpp's overhead and an 8k-token KV cache leaves ~97 MiB for weights, between uniform Q4_K
 # and Q8_0, so the solver has something to decide. A model of your own takes --vram.
 DEFAULT_VRAM = "768MiB"
+IMATRIX_FILE = "imatrix.gguf"  # --method imatrix: the scan's importance matrix, shared by every size
 FIT_FILES = ("fit.json", "sensitivity.json", "sensitivity.png", "recipe.json", "frontier.json", "frontier.png",
              "check.json", "report.md")
 
@@ -107,6 +108,8 @@ class _Job:
     reserve: int
     settings: dict  # fit's own arguments: format, method, calibration, max_tokens, seq_len, full_check, ...
     log: object
+    imatrix: Path | None = None  # the importance matrix every artifact rounds with (--method imatrix)
+    reference: object = None  # check.ReferenceLogits shared by every size's check
 
 
 def fit(model: str | Path | None = None, vram: str | int | None = None, context: int = 8192, batch: int = 1,
@@ -124,7 +127,9 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     (cluster.py), exactly; the rest stays here. `group_by` None: per tensor for a mixture-of-experts model
     (each expert stack, attention matrix and shared expert its own group: the MoE recipe's whole point),
     per layer otherwise. `sizes` ("900MB,1.2GB", instead of `vram`): one scan for all, then the best artifact
-    no larger than each size in its own directory (out/size-900MB/...); the summary's "sizes" lists them."""
+    no larger than each size in its own directory (out/size-900MB/...); the summary's "sizes" lists them.
+    `method` "imatrix": the scan measures imatrix rounding too, and leaves out/imatrix.gguf, of its own
+    calibration tokens, that every artifact is packed with (one calibration forward for the whole run)."""
     from .budget import budget as compute_budget
     from .budget import render_budget
     from .pack import refuse_unpackable, reserve_bytes
@@ -164,7 +169,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     source = open_model(model)
     refuse_unpackable(source, target.artifact)
     files = FIT_FILES + tuple(t.artifact_name for t in all_targets(packs=True))
-    writes = files + tuple(f"{label}/{name}" for label, _ in labelled or () for name in files)
+    writes = files + (IMATRIX_FILE,) + tuple(f"{label}/{name}" for label, _ in labelled or () for name in files)
     out = guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)},
                        kind="workdir", writes=writes)
     for folder in [out] + [out / label for label, _ in labelled or ()]:  # a state fit did not write: refused now
@@ -199,17 +204,23 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         _say(log, f"\n== 2. scan ({scan_method}, groups per {group_by}, {max_tokens} calibration tokens; resumes "
                   f"{out / 'sensitivity.json'})")
         map_path = out / "sensitivity.json"
+        imatrix = out / IMATRIX_FILE if method == "imatrix" else None
         sensitivity = scan(model, calibration, max_tokens, formats, group_by, map_path,
                            resume=True, device=device, seq_len=seq_len, progress=progress,
                            log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
-                           method=scan_method, weight_budgets=budgets if scan_method == "adaptive" else None)
+                           method=scan_method, weight_budgets=budgets if scan_method == "adaptive" else None,
+                           rounding="imatrix" if method == "imatrix" else "rtn", imatrix_out=imatrix)
         for warning in sensitivity["warnings"]:
             _say(log, f"warning: {warning}")
         plot_sensitivity(sensitivity, out / "sensitivity.png")
         settings = dict(format=format, method=method, calibration=calibration, max_tokens=max_tokens, seq_len=seq_len,
                         full_check=full_check, check_tokens=check_tokens, device=device, progress=progress,
                         refine=refine, refine_tokens=refine_tokens)
-        job = _Job(model, source, target, sensitivity, map_path, reserve, settings, log)
+        job = _Job(model, source, target, sensitivity, map_path, reserve, settings, log, imatrix)
+        if full_check:
+            from .check import ReferenceLogits
+
+            job.reference = ReferenceLogits(model or "default", device)
         if labelled is None:
             info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
                     "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
@@ -286,7 +297,7 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
     else:
         packed = pack(recipe, job.model, artifact, settings["format"], settings["method"], settings["calibration"],
                       settings["max_tokens"], settings["seq_len"], force=True, device=settings["device"],
-                      progress=settings["progress"])
+                      progress=settings["progress"], imatrix=job.imatrix)
         state.update({"packed_from": recipe_hash, "pack": packed, "check": None})
         write_json(state_path, state)
         _say(log, render_pack(packed))
@@ -297,7 +308,8 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
 
         _say(log, "\n== 5. check (full, against the reference)")
         checked = check(artifact, job.model or "default", None, settings["check_tokens"], settings["seq_len"],
-                        predicted_damage=recipe["predicted_damage"], device=settings["device"])
+                        predicted_damage=recipe["predicted_damage"], device=settings["device"],
+                        reference_logits=job.reference)
         checked["packed_from"] = recipe_hash
         state["check"] = checked
         write_json(state_path, state)

@@ -26,6 +26,9 @@ from .groups import LM_HEAD, GroupId, expert_stack
 from .sources import ModelSource
 
 
+TEXT_KEY = "cardfit.calibration.sha256"  # the calibration text's hash (text.text_hash); llama.cpp ignores the key
+
+
 def gguf_tensor_names(source: ModelSource) -> dict[str, str]:
     """HF tensor name -> llama.cpp's name, for the matrices llama.cpp multiplies by."""
     from .pack.gguf_arch import ArchSpec
@@ -40,18 +43,73 @@ def gguf_tensor_names(source: ModelSource) -> dict[str, str]:
     return names
 
 
+class ImatrixRecord:
+    """llama.cpp's imatrix entries gathered from any walk of the unquantized model that collects "imatrix"
+    statistics (`cardfit imatrix`'s own walk, or the weight signal's, so a scan's pricing pass leaves the file
+    pack then rounds with: one forward, not two). `write` refuses nothing and writes only a whole record."""
+
+    def __init__(self, source: ModelSource, chunks: torch.Tensor, dataset: str, text_sha256: str):
+        self.names = gguf_tensor_names(source)
+        self.head = next((t.name for t in source.tensors() if t.group == LM_HEAD and t.name in self.names), None)
+        self.chunks, self.dataset, self.text_sha256 = chunks, dataset, text_sha256
+        self.rows: dict[str, dict[int, tuple[np.ndarray, int]]] = {}  # GGUF name -> row (expert, or 0) -> sums, count
+
+    def layer(self, statistics: dict[str, Calibration]) -> None:
+        """Take one decoder layer's statistics (LayerCalibration.statistics)."""
+        for hf_name, cal in statistics.items():
+            if hf_name in self.names and cal.imatrix is not None:
+                stack = expert_stack(hf_name)
+                sums = (cal.imatrix.to(torch.float64) * cal.tokens).numpy().astype(np.float32)
+                self.rows.setdefault(self.names[hf_name], {})[stack[1] if stack else 0] = (sums, cal.tokens)
+
+    def output(self, cal: Calibration) -> None:
+        """Take the untied output matrix's statistics (LayerCalibration.head_statistics)."""
+        if self.head is not None:
+            tokens = int(self.chunks.numel())
+            self.rows[self.names[self.head]] = {0: ((cal.imatrix.to(torch.float64) * tokens).numpy().astype(np.float32),
+                                                    tokens)}
+
+    def whole(self) -> bool:
+        """Every matrix llama.cpp multiplies by has its entry (a walk that stopped early has not)."""
+        return set(self.names.values()) <= set(self.rows)
+
+    def write(self, out: Path) -> int:
+        """Write the GGUF imatrix to `out` atomically; returns the entries written."""
+        import gguf
+
+        from .atomic import atomic_path
+
+        with atomic_path(out) as tmp:
+            writer = gguf.GGUFWriter(str(tmp), arch="imatrix")
+            writer.kv_data[0].pop("general.architecture", None)  # llama.cpp's imatrix files have none
+            writer.add_type(gguf.GGUFType.IMATRIX)
+            writer.add_array(gguf.Keys.IMatrix.DATASETS, [self.dataset])
+            writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(self.chunks.shape[0]))
+            writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(self.chunks.shape[1]))
+            writer.add_string(TEXT_KEY, self.text_sha256)
+            for name in sorted(self.rows):
+                order = sorted(self.rows[name])
+                if order != list(range(len(order))):
+                    raise RuntimeError(f"{name}: statistics for rows {order}, not every expert")
+                writer.add_tensor(f"{name}.in_sum2", np.stack([self.rows[name][r][0] for r in order]))
+                writer.add_tensor(f"{name}.counts",
+                                  np.array([[self.rows[name][r][1]] for r in order], dtype=np.float32))
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+        return len(self.rows)
+
+
 def collect_imatrix(model: str | Path | None = None, calibration: str | Path | None = None, max_tokens: int = 8192,
                     seq_len: int = 512, out: str | Path = "imatrix.gguf", device: str = "auto",
                     progress: bool = True, log=None) -> dict:
     """Run the calibration text through the model one layer at a time and write llama.cpp's imatrix; `log`
     hears what it will do and, once the first layer is done, how long the rest should take."""
-    import gguf
-
-    from .atomic import atomic_path
     from .calibrate import LayerCalibration
     from .paths import guard_output, input_paths, model_paths
     from .sources import open_model, runnable
-    from .text import load_text, load_tokenizer, token_chunks
+    from .text import load_text, load_tokenizer, text_hash, token_chunks
 
     out = Path(out)
     if out.suffix != ".gguf":
@@ -59,13 +117,12 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
     source = runnable(source)
-    names = gguf_tensor_names(source)
     text, text_path = load_text(calibration)
     chunks = token_chunks(load_tokenizer(str(source.path)), text, seq_len, max_tokens,
                           source=str(text_path), rows=source.embedding_rows())
     tokens = int(chunks.numel())
     calib = LayerCalibration(source, chunks, "imatrix", device=device)
-    rows: dict[str, dict[int, tuple[np.ndarray, int]]] = {}  # GGUF name -> row (expert, or 0) -> (sums, count)
+    record = ImatrixRecord(source, chunks, text_path.name, text_hash(text))
     layers = source.geometry.num_layers
     bar = None
     if progress:
@@ -76,11 +133,7 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
         log(f"imatrix: {tokens} tokens ({chunks.shape[0]} chunks of {chunks.shape[1]}) through {layers} layers")
     began = time.perf_counter()
     for index in range(layers):
-        for hf_name, cal in calib.statistics(index).items():
-            if hf_name in names and cal.imatrix is not None:
-                stack = expert_stack(hf_name)
-                sums = (cal.imatrix.to(torch.float64) * cal.tokens).numpy().astype(np.float32)
-                rows.setdefault(names[hf_name], {})[stack[1] if stack else 0] = (sums, cal.tokens)
+        record.layer(calib.statistics(index))
         calib.advance(index)
         if log and index == 0 and layers > 1:
             first = time.perf_counter() - began
@@ -90,29 +143,28 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
             bar.update(1)
     if bar:
         bar.close()
-    head = [t.name for t in source.tensors() if t.group == LM_HEAD and t.name in names]
-    if head:
-        cal = calib.head_statistics()
-        rows[names[head[0]]] = {0: ((cal.imatrix.to(torch.float64) * tokens).numpy().astype(np.float32), tokens)}
-    with atomic_path(out) as tmp:
-        writer = gguf.GGUFWriter(str(tmp), arch="imatrix")
-        writer.kv_data[0].pop("general.architecture", None)  # llama.cpp's imatrix files have none
-        writer.add_type(gguf.GGUFType.IMATRIX)
-        writer.add_array(gguf.Keys.IMatrix.DATASETS, [text_path.name])
-        writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(chunks.shape[0]))
-        writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(chunks.shape[1]))
-        for name in sorted(rows):
-            order = sorted(rows[name])
-            if order != list(range(len(order))):
-                raise RuntimeError(f"{name}: statistics for rows {order}, not every expert")
-            writer.add_tensor(f"{name}.in_sum2", np.stack([rows[name][r][0] for r in order]))
-            writer.add_tensor(f"{name}.counts", np.array([[rows[name][r][1]] for r in order], dtype=np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    return {"imatrix": str(out), "entries": len(rows), "tokens": tokens, "unvisited": calib.unvisited,
+    if record.head is not None:
+        record.output(calib.head_statistics())
+    entries = record.write(out)
+    return {"imatrix": str(out), "entries": entries, "tokens": tokens, "unvisited": calib.unvisited,
             "chunks": int(chunks.shape[0]), "chunk_size": int(chunks.shape[1]), "dataset": text_path.name}
+
+
+def made_from(path: Path, calibration: dict) -> bool:
+    """Whether the imatrix at `path` is a whole file cardfit made from the calibration a map records (its
+    `calibration`: the text's sha256, the chunks and their length); False for anything else, unreadable included."""
+    from .sources.gguf_file import read_gguf
+
+    try:
+        reader = read_gguf(path, "GGUF imatrix", "")
+        fields = {key: reader.get_field(key) for key in ("imatrix.chunk_count", "imatrix.chunk_size", TEXT_KEY)}
+        if any(field is None for field in fields.values()):
+            return False
+        values = {key: field.contents() for key, field in fields.items()}
+    except (CardfitError, OSError, ValueError):
+        return False
+    return (values[TEXT_KEY] == calibration.get("sha256") and values["imatrix.chunk_count"] == calibration.get("chunks")
+            and values["imatrix.chunk_size"] == calibration.get("seq_len"))
 
 
 def _duration(seconds: float) -> str:

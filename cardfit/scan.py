@@ -443,8 +443,29 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
          progress: bool = True, method: str = "exact", dtype: str = "auto", gpu_memory: int | None = None,
          log=None, estimate: bool = False, ray: str | None = None, workers: int | None = None,
          shared_dir: str | Path | None = None, weight_budgets: list[int] | None = None,
-         signal: str | None = None) -> dict:
+         signal: str | None = None, imatrix_out: str | Path | None = None) -> dict:
     """Measure the damage of every group at every format; returns the map (also written to `out`).
+
+    With `imatrix_out`, llama.cpp's importance matrix of the map's own calibration tokens is there when the
+    scan returns: recorded by the weight signal's walk where the scan prices by it (one forward for both),
+    else by a walk of its own, and kept where an earlier run left one of the same tokens."""
+    result = _scan(model, calibration, max_tokens, formats, group_by, out, resume, device, memory_cap, rounding,
+                   seq_len, batch, progress, method, dtype, gpu_memory, log, estimate, ray, workers, shared_dir,
+                   weight_budgets, signal, imatrix_out)
+    if imatrix_out is not None and not estimate:
+        from .imatrix import collect_imatrix, made_from
+
+        if not made_from(Path(imatrix_out), result["calibration"]):
+            if log:
+                log(f"importance matrix of the map's {result['calibration']['tokens']} tokens -> {imatrix_out}")
+            collect_imatrix(model, calibration, max_tokens, seq_len, imatrix_out, device, progress=False, log=log)
+    return result
+
+
+def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device, memory_cap, rounding, seq_len,
+          batch, progress, method, dtype, gpu_memory, log, estimate, ray, workers, shared_dir, weight_budgets,
+          signal, imatrix_out) -> dict:
+    """scan() without the imatrix's last resort (see scan).
 
     With `estimate`, measures nothing and writes nothing: returns {"estimate": ...}, the counts and the
     time the scan would take (estimate.py). With `log`, that estimate is also shown before a scan.
@@ -497,11 +518,24 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
     fmts = parse_formats(formats)
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
+    if imatrix_out is not None:
+        if estimate:
+            raise CardfitError("--estimate writes nothing, --imatrix-out an imatrix", "drop one of them")
+        if Path(imatrix_out).suffix != ".gguf":
+            raise CardfitError(f"{imatrix_out} does not end in .gguf", "cardfit writes llama.cpp's GGUF imatrix: "
+                               "--imatrix-out imatrix.gguf")
+        guard_output(imatrix_out, {"the model": model_paths(source), "the calibration text": input_paths(calibration),
+                                   "the map (--out)": [Path(out)]}, flag="--imatrix-out")
     source = runnable(source)
     text, text_path = load_text(calibration)
     tokenizer = load_tokenizer(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path), rows=source.embedding_rows())
     header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method, compute)
+    record = None
+    if imatrix_out is not None:
+        from .imatrix import ImatrixRecord, made_from
+
+        record = None if made_from(Path(imatrix_out), header["calibration"]) else ImatrixRecord(source, chunks, text_path.name, header["calibration"]["sha256"])
     out = Path(out)
     result = None
     if out.exists() and (resume or not estimate):
@@ -531,14 +565,14 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
             if f.name not in result["groups"][i]["cells"]]
     if method == "adaptive":
         return _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory,
-                               memory_cap, batch, weight_budgets, signal, progress, log)
+                               memory_cap, batch, weight_budgets, signal, progress, log, record, imatrix_out)
     if not todo and result.get("complete"):
         return {"estimate": None} if estimate else result  # a finished map of this very job: nothing to measure
     if method == "fast":
         return _fast_cells(source, chunks, groups, todo, fmts, result, out, str(resolve_device(device)[0]), batch)
     if method == "weight":
         return _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype,
-                             gpu_memory, progress)
+                             gpu_memory, progress, record, imatrix_out)
     map_large_blocks()
     engine = Engine(source, device, dtype, gpu_memory, log=log)
     budget = None if memory_cap is None else memory_cap // 2
@@ -881,7 +915,7 @@ def _fast_cells(source, chunks, groups, todo, fmts, result, out, device, batch) 
 
 
 def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype, gpu_memory,
-                  progress) -> dict:
+                  progress, record=None, imatrix_out=None) -> dict:
     """Every cell from the weight signal (weight_signal.py), one layer walk; the map is written after each
     group as the exact scan's is, so an interrupted run resumes."""
     from .weight_signal import weight_cells
@@ -898,7 +932,8 @@ def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, dev
             bar.update(len(priced))
 
     try:
-        weight_cells(source, chunks, groups, todo, rounding, device, batch, dtype, gpu_memory, done=done)
+        weight_cells(source, chunks, groups, todo, rounding, device, batch, dtype, gpu_memory, done=done, record=record)
+        _keep_imatrix(record, imatrix_out)
     finally:
         if bar:
             bar.close()
@@ -906,6 +941,12 @@ def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, dev
     result["complete"] = True
     write_json(out, result)
     return result
+
+
+def _keep_imatrix(record, imatrix_out) -> None:
+    """Write the imatrix a pricing walk recorded, if it walked the whole model."""
+    if record is not None and record.whole():
+        record.write(Path(imatrix_out))
 
 
 class PricingClock:
@@ -933,7 +974,7 @@ class PricingClock:
 
 
 def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory, memory_cap,
-                    batch, weight_budgets, signal, progress, log) -> dict:
+                    batch, weight_budgets, signal, progress, log, record=None, imatrix_out=None) -> dict:
     """The adaptive scan (adaptive.py): every cell's cheap signal (fast: the streamed Fisher; weight: the
     weight signal), then exact cells where the plans at the budgets are decided, the map written after
     every group; a resumed run keeps both."""
@@ -974,7 +1015,9 @@ def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device,
         if signal == "fast":
             fisher_cells(source, chunks, groups, unsigned, str(resolve_device(device)[0]), batch, signed)
         else:
-            weight_cells(source, chunks, groups, unsigned, rounding, device, batch, dtype, gpu_memory, done=signed)
+            weight_cells(source, chunks, groups, unsigned, rounding, device, batch, dtype, gpu_memory, done=signed,
+                         record=record)
+            _keep_imatrix(record, imatrix_out)
     map_large_blocks()
     engine = Engine(source, device, dtype, gpu_memory, log=log)
     cache = ActivationCache(None if memory_cap is None else memory_cap // 2, spill_dir=out.parent)

@@ -43,9 +43,11 @@ def token_frequencies(chunks: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def weight_cells(source, chunks: torch.Tensor, groups: list, todo: list, rounding: str, device: str, batch: int,
-                 dtype: str = "auto", gpu_memory: int | None = None, done=None) -> dict[tuple[int, str], float]:
+                 dtype: str = "auto", gpu_memory: int | None = None, done=None,
+                 record=None) -> dict[tuple[int, str], float]:
     """(group index, format name) -> the weight signal of every to-do cell, one layer resident at a time.
-    `done(index, {format: damage})` is called as each group's cells are priced."""
+    `done(index, {format: damage})` is called as each group's cells are priced. With `record` (an
+    imatrix.ImatrixRecord) the walk visits every layer and the output matrix and records their imatrix."""
     from .calibrate import LayerCalibration
     from .scan import pending_by_group
 
@@ -67,18 +69,23 @@ def weight_cells(source, chunks: torch.Tensor, groups: list, todo: list, roundin
 
     edges = sorted(s for s in by_start if s < 0 or s >= layers)
     tied_embedding = source.tied_embeddings and -1 in by_start
-    needs_head = any(s >= layers for s in edges) or tied_embedding
-    last = max((s for s in by_start if 0 <= s < layers), default=-1)
+    needs_head = any(s >= layers for s in edges) or tied_embedding or (record is not None and record.head is not None)
+    last = layers - 1 if record is not None else max((s for s in by_start if 0 <= s < layers), default=-1)
     for layer in range(layers):
-        if layer in by_start:
-            stats = _LayerStatistics(walk.statistics(layer))
-            for index in by_start[layer]:
+        if layer in by_start or record is not None:
+            statistics = walk.statistics(layer)
+            if record is not None:
+                record.layer(statistics)
+            stats = _LayerStatistics(statistics)
+            for index in by_start.get(layer, ()):
                 price(index, stats)
         if layer >= last and not needs_head:
             break
         walk.advance(layer)  # on to the next pending layer's inputs (or the last hidden state)
+    head = walk.head_statistics() if needs_head else None
+    if record is not None and head is not None:
+        record.output(head)
     if edges:
-        head = walk.head_statistics() if needs_head else None
         embedding = next(t for t in source.tensors() if t.group == EMBED and len(t.shape) == 2)
         edge = _EdgeStatistics(token_frequencies(chunks, embedding.shape[0]), head, source.tied_embeddings)
         for start in edges:

@@ -208,3 +208,33 @@ def test_a_fit_that_fails_before_writing_anything_leaves_no_directory(tiny_model
     code, _, err = run_cli("fit", tiny_models["llama"], "--vram", "1GiB", "--calibration", text, "--out", out)
     assert code == 2 and "fewer than one chunk" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
+
+
+def test_fit_with_an_imatrix_scans_and_packs_every_size_with_the_scan_s_own(tiny_models, tmp_path, monkeypatch):
+    """`fit --method imatrix --size A,B`: the map measures imatrix rounding, the pricing walk leaves
+    DIR/imatrix.gguf, and both sizes are packed with it: no other calibration walk runs."""
+    import functools
+
+    from cardfit import imatrix as imatrix_module
+    from cardfit import pack as pack_module
+    from cardfit.fit import fit
+    from cardfit.imatrix import made_from
+    from cardfit.sources import open_model, runnable
+
+    monkeypatch.setattr(pack_module, "pack", functools.partial(pack_module.pack, smoke=False))
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("a second calibration walk")
+
+    monkeypatch.setattr(pack_module, "_calibration", no_walk)
+    monkeypatch.setattr(imatrix_module, "collect_imatrix", no_walk)
+    model = tiny_models["llama"]
+    source = runnable(open_model(model))
+    low, high = _file_size(source, "Q4_0"), _file_size(source, "Q8_0")
+    sizes = [low + (high - low) // 4, low + 3 * (high - low) // 4]
+    out = tmp_path / "run"
+    summary = fit(model, sizes=f"{sizes[0]},{sizes[1]}", out=out, max_tokens=128, seq_len=32, progress=False,
+                  log=None, device="cpu", method="imatrix", formats="Q8_0,Q4_0,IQ4_XS,Q2_K")
+    scanned = json.loads((out / "sensitivity.json").read_text())
+    assert scanned["rounding"] == "imatrix" and made_from(out / "imatrix.gguf", scanned["calibration"])
+    assert [r["pack"]["method"] for r in summary["sizes"]] == ["imatrix", "imatrix"]

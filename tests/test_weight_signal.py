@@ -336,3 +336,68 @@ def test_a_draw_of_nothing_or_an_unscaled_row_is_never_a_price(monkeypatch):
     guide = sampling.scale_guide(weight, None)
     assert sampling.sampled_total(guide, lambda taken: guide[taken], 0) == (0.0, float("inf"))
     assert sampling.sampled_or_whole(guide, lambda taken: guide[taken], 0, lambda: 42.0) == 42.0
+
+
+def _imatrix_tensors(path):
+    import gguf
+    import numpy as np
+
+    return {t.name: np.asarray(t.data).copy() for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # an untied output matrix, and a tied one
+def test_the_pricing_walk_leaves_the_imatrix_cardfit_imatrix_makes(tiny_models, tmp_path, kind, monkeypatch):
+    """One forward for both: the weight signal's walk records llama.cpp's imatrix of the map's own tokens, the
+    same entries `cardfit imatrix` collects over those tokens; the separate walk does not run."""
+    import numpy as np
+
+    from cardfit import imatrix as imatrix_module
+    from cardfit.imatrix import collect_imatrix, made_from
+
+    text = small_text(tmp_path)
+    model = tiny_models[kind]
+    alone = tmp_path / "alone.gguf"
+    collect_imatrix(model, text, max_tokens=256, seq_len=32, out=alone, progress=False)
+    walks = []
+    monkeypatch.setattr(imatrix_module, "collect_imatrix", lambda *a, **k: walks.append(a))
+    recorded = tmp_path / "scan.gguf"
+    result = run_scan(model, text, tmp_path / "map.json", method="weight", rounding="imatrix", imatrix_out=recorded)
+    assert walks == [] and made_from(recorded, result["calibration"])
+    want, got = _imatrix_tensors(alone), _imatrix_tensors(recorded)
+    assert sorted(got) == sorted(want) and any(n.startswith("blk.1.") for n in got)
+    assert ("output.weight.in_sum2" in got) == (kind == "llama")  # a tied head is the embedding: a lookup, no entry
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+
+
+def test_a_scan_with_nothing_to_price_still_leaves_its_imatrix(tiny_models, tmp_path):
+    """A finished map resumed (or an exact scan) walks for the imatrix alone; one of the same tokens already
+    there is kept, one of other tokens is made again."""
+    from cardfit.imatrix import made_from
+
+    text = small_text(tmp_path)
+    model, out, imatrix = tiny_models["llama"], tmp_path / "map.json", tmp_path / "im.gguf"
+    result = run_scan(model, text, out, method="weight", rounding="imatrix", imatrix_out=imatrix)
+    first = imatrix.read_bytes()
+    imatrix.unlink()
+    run_scan(model, text, out, method="weight", rounding="imatrix", imatrix_out=imatrix, resume=True)
+    assert imatrix.read_bytes() == first
+    stamp = imatrix.stat().st_mtime_ns
+    run_scan(model, text, out, method="weight", rounding="imatrix", imatrix_out=imatrix, resume=True)
+    assert imatrix.stat().st_mtime_ns == stamp  # kept
+    run_scan(model, text, tmp_path / "short.json", method="weight", rounding="imatrix", imatrix_out=imatrix,
+             max_tokens=128)
+    assert not made_from(imatrix, result["calibration"]) and imatrix.read_bytes() != first
+    exact = run_scan(model, text, tmp_path / "exact.json", imatrix_out=tmp_path / "exact.gguf")
+    assert made_from(tmp_path / "exact.gguf", exact["calibration"])
+
+
+def test_imatrix_out_is_refused_before_work_where_it_cannot_be_written(tiny_models, tmp_path, run_cli):
+    model, text = tiny_models["llama"], small_text(tmp_path)
+    out = tmp_path / "map.json"
+    for extra, message in [(["--imatrix-out", str(out)], "map"), (["--imatrix-out", str(tmp_path / "im.dat")], ".gguf"),
+                           (["--imatrix-out", str(tmp_path / "im.gguf"), "--estimate"], "--estimate")]:
+        code, _, err = run_cli("scan", model, "--calibration", text, "--max-tokens", "256", "--seq-len", "32",
+                               "--out", out, *extra)
+        assert code == 2 and message in err.strip().splitlines()[-1], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
