@@ -40,6 +40,13 @@ class ReferenceLogits:
         self._logits: dict[bytes, torch.Tensor] = {}
         self._held = 0
 
+    def release(self) -> None:
+        """Let the reference model go (its memory, on the device too); the logits kept stay, and a chunk not
+        kept opens the model again."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         key = ids.to(torch.int64).cpu().numpy().tobytes() + bytes(str(tuple(ids.shape)), "ascii")
         if key not in self._logits:

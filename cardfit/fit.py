@@ -67,14 +67,16 @@ def scan_menu(target, source, tensor_budget: int, method: str = "exact") -> str:
     return ",".join(names)
 
 
-def _scanned_method(path: Path) -> str | None:
-    """The scan method of a fit directory's map, so a rerun resumes it as it was begun (None: no readable
-    map; scan itself then refuses or starts one)."""
+def _scanned(path: Path) -> tuple[str | None, str | None]:
+    """The scan method and rounding of a fit directory's map, so a rerun resumes it as it was begun (None: no
+    readable map or value; scan itself then refuses or starts one)."""
     try:
-        method = json.loads(path.read_text(encoding="utf-8"))["damage"]["method"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return next((m for m in ("exact", "adaptive") if isinstance(method, str) and method.startswith(m)), None)
+        data = json.loads(path.read_text(encoding="utf-8"))
+        method, rounding = data["damage"]["method"], data.get("rounding")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None, None
+    method = next((m for m in ("exact", "adaptive") if isinstance(method, str) and method.startswith(m)), None)
+    return method, rounding if isinstance(rounding, str) else None
 
 
 def parse_sizes(sizes: str | list[int]) -> list[tuple[str, int]]:
@@ -128,19 +130,21 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     (each expert stack, attention matrix and shared expert its own group: the MoE recipe's whole point),
     per layer otherwise. `sizes` ("900MB,1.2GB", instead of `vram`): one scan for all, then the best artifact
     no larger than each size in its own directory (out/size-900MB/...); the summary's "sizes" lists them.
-    `method` "imatrix": the scan measures imatrix rounding too, and leaves out/imatrix.gguf, of its own
-    calibration tokens, that every artifact is packed with (one calibration forward for the whole run)."""
+    `method` "imatrix": the scan measures imatrix rounding too (a directory whose map was begun with another
+    rounding keeps it) and leaves out/imatrix.gguf, of its own calibration tokens, that every artifact is packed
+    with: recorded on the adaptive scan's pricing walk, so one calibration forward serves scan and packs."""
     from .budget import budget as compute_budget
     from .budget import render_budget
     from .pack import refuse_unpackable, reserve_bytes
     from .paths import guard_output, input_paths, model_paths, work_directory
     from .plots import plot_sensitivity
-    from .scan import scan
+    from .scan import ROUNDINGS, scan
     from .sources import open_model, runnable
     from .targets import all_targets, for_artifact
 
+    begun_method, begun_rounding = _scanned(Path(out) / "sensitivity.json")
     if scan_method is None:
-        scan_method = _scanned_method(Path(out) / "sensitivity.json") or ("exact" if ray is not None else "adaptive")
+        scan_method = begun_method or ("exact" if ray is not None else "adaptive")
     if scan_method not in ("adaptive", "exact"):
         raise CardfitError(f"unknown --scan-method '{scan_method}'", "use --scan-method exact or adaptive")
     if group_by not in (None, "layer", "tensor"):
@@ -169,7 +173,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     source = open_model(model)
     refuse_unpackable(source, target.artifact)
     files = FIT_FILES + tuple(t.artifact_name for t in all_targets(packs=True))
-    writes = files + (IMATRIX_FILE,) + tuple(f"{label}/{name}" for label, _ in labelled or () for name in files)
+    writes = files + ((IMATRIX_FILE,) if method == "imatrix" else ()) + tuple(
+        f"{label}/{name}" for label, _ in labelled or () for name in files)
     out = guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)},
                        kind="workdir", writes=writes)
     for folder in [out] + [out / label for label, _ in labelled or ()]:  # a state fit did not write: refused now
@@ -205,11 +210,16 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
                   f"{out / 'sensitivity.json'})")
         map_path = out / "sensitivity.json"
         imatrix = out / IMATRIX_FILE if method == "imatrix" else None
+        rounding = "imatrix" if method == "imatrix" else "rtn"
+        if begun_rounding in ROUNDINGS and begun_rounding != rounding:
+            _say(log, f"{map_path} was begun with {begun_rounding} rounding: resumed as it was begun (a new --out "
+                      f"scans {rounding} rounding)")
+            rounding = begun_rounding
         sensitivity = scan(model, calibration, max_tokens, formats, group_by, map_path,
                            resume=True, device=device, seq_len=seq_len, progress=progress,
                            log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
                            method=scan_method, weight_budgets=budgets if scan_method == "adaptive" else None,
-                           rounding="imatrix" if method == "imatrix" else "rtn", imatrix_out=imatrix)
+                           rounding=rounding, imatrix_out=imatrix)
         for warning in sensitivity["warnings"]:
             _say(log, f"warning: {warning}")
         plot_sensitivity(sensitivity, out / "sensitivity.png")
@@ -217,17 +227,17 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
                         full_check=full_check, check_tokens=check_tokens, device=device, progress=progress,
                         refine=refine, refine_tokens=refine_tokens)
         job = _Job(model, source, target, sensitivity, map_path, reserve, settings, log, imatrix)
-        if full_check:
+        if full_check and labelled is not None and len(labelled) > 1:
             from .check import ReferenceLogits
 
-            job.reference = ReferenceLogits(model or "default", device)
+            job.reference = ReferenceLogits(model or "default", device)  # every size's check on the same chunks
         if labelled is None:
             info = {"vram_bytes": b.vram_bytes, "context": context, "batch": batch, "kv_dtype": kv_dtype,
                     "kv_bytes": b.kv_bytes, "overhead_bytes": b.overhead_bytes}
             delivered = _deliver(job, out, b.weight_budget_bytes, info, b)
             _refuse_failed([delivered], "raise --vram")
             _say(log, f"\n-> {out}: sensitivity.json, recipe.json, {Path(delivered['artifact']).name}, report.md, "
-                      "sensitivity.png, frontier.png")
+                      "sensitivity.png, frontier.png" + (f", {IMATRIX_FILE}" if imatrix else ""))
             return {"out": str(out), "budget": b.to_dict(), **delivered}
         delivered = []
         for label, size in labelled:
@@ -239,7 +249,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         others = sorted(p.name for p in out.glob("size-*") if p.is_dir() and p.name not in dict(labelled))
         if others:
             _say(log, f"note: {', '.join(others)} in {out} are from an earlier run's sizes; left as they were")
-        _say(log, f"\n-> {out}: sensitivity.json, sensitivity.png and " + ", ".join(label for label, _ in labelled))
+        _say(log, f"\n-> {out}: sensitivity.json, sensitivity.png, " + (f"{IMATRIX_FILE}, " if imatrix else "")
+             + "and " + ", ".join(label for label, _ in labelled))
         return {"out": str(out), "sizes": delivered}
 
 
@@ -290,7 +301,7 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
 
     _say(log, "\n== 4. pack")
     artifact = out / job.target.artifact_name
-    recipe_hash = content_hash(recipe)
+    recipe_hash = _packing_key(recipe, settings["method"], job.imatrix)
     if artifact.exists() and state.get("packed_from") == recipe_hash and state.get("pack"):
         packed = state["pack"]
         _say(log, f"{artifact} is already packed from this recipe; skipped")
@@ -307,9 +318,13 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
         from .check import check, render_check
 
         _say(log, "\n== 5. check (full, against the reference)")
-        checked = check(artifact, job.model or "default", None, settings["check_tokens"], settings["seq_len"],
-                        predicted_damage=recipe["predicted_damage"], device=settings["device"],
-                        reference_logits=job.reference)
+        try:
+            checked = check(artifact, job.model or "default", None, settings["check_tokens"], settings["seq_len"],
+                            predicted_damage=recipe["predicted_damage"], device=settings["device"],
+                            reference_logits=job.reference)
+        finally:
+            if job.reference is not None:
+                job.reference.release()  # its logits stay for the next size; its model goes
         checked["packed_from"] = recipe_hash
         state["check"] = checked
         write_json(state_path, state)
@@ -317,6 +332,18 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
         _say(log, render_check(checked))
     write_text(out / "report.md", render_report(b, job.sensitivity, recipe, packed, checked, artifact, budget))
     return {"recipe": recipe, "pack": packed, "check": checked, "artifact": str(artifact)}
+
+
+def _packing_key(recipe: dict, method: str, imatrix: Path | None) -> str:
+    """What an artifact's bytes follow from, as fit.json records it (`packed_from`): the recipe's hash, with the
+    rounding and the importance matrix's job where the rounding is not RTN (a rerun with another --method
+    re-packs)."""
+    if method == "rtn" and imatrix is None:
+        return content_hash(recipe)
+    from .imatrix import made_for
+
+    return content_hash({"recipe": content_hash(recipe), "method": method,
+                         "imatrix": None if imatrix is None else made_for(imatrix)})
 
 
 def _refined(recipe, sensitivity, state, state_path, out, model, calibration, tokens, device, log) -> dict:

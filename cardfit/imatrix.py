@@ -26,7 +26,15 @@ from .groups import LM_HEAD, GroupId, expert_stack
 from .sources import ModelSource
 
 
-TEXT_KEY = "cardfit.calibration.sha256"  # the calibration text's hash (text.text_hash); llama.cpp ignores the key
+JOB_KEY = "cardfit.made_for"  # job_key of the model and calibration tokens it was made from; llama.cpp ignores it
+
+
+def job_key(model: dict, calibration: dict) -> str:
+    """What an imatrix cardfit writes records of its making: a hash of the model and calibration headers a map
+    records (schemas.model_header, text.calibration_header), so it belongs to exactly the maps of that job."""
+    from .schemas import content_hash
+
+    return content_hash({"model": model, "calibration": calibration})
 
 
 def gguf_tensor_names(source: ModelSource) -> dict[str, str]:
@@ -46,12 +54,12 @@ def gguf_tensor_names(source: ModelSource) -> dict[str, str]:
 class ImatrixRecord:
     """llama.cpp's imatrix entries gathered from any walk of the unquantized model that collects "imatrix"
     statistics (`cardfit imatrix`'s own walk, or the weight signal's, so a scan's pricing pass leaves the file
-    pack then rounds with: one forward, not two). `write` refuses nothing and writes only a whole record."""
+    pack then rounds with: one forward, not two). `job`: job_key of what the walk ran."""
 
-    def __init__(self, source: ModelSource, chunks: torch.Tensor, dataset: str, text_sha256: str):
+    def __init__(self, source: ModelSource, chunks: torch.Tensor, dataset: str, job: str):
         self.names = gguf_tensor_names(source)
         self.head = next((t.name for t in source.tensors() if t.group == LM_HEAD and t.name in self.names), None)
-        self.chunks, self.dataset, self.text_sha256 = chunks, dataset, text_sha256
+        self.chunks, self.dataset, self.job = chunks, dataset, job
         self.rows: dict[str, dict[int, tuple[np.ndarray, int]]] = {}  # GGUF name -> row (expert, or 0) -> sums, count
 
     def layer(self, statistics: dict[str, Calibration]) -> None:
@@ -74,7 +82,8 @@ class ImatrixRecord:
         return set(self.names.values()) <= set(self.rows)
 
     def write(self, out: Path) -> int:
-        """Write the GGUF imatrix to `out` atomically; returns the entries written."""
+        """Write the entries taken so far to `out` atomically as llama.cpp's GGUF imatrix (whole() says whether
+        they cover the model); returns how many. An expert stack with a row missing is a bug of ours."""
         import gguf
 
         from .atomic import atomic_path
@@ -86,7 +95,7 @@ class ImatrixRecord:
             writer.add_array(gguf.Keys.IMatrix.DATASETS, [self.dataset])
             writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(self.chunks.shape[0]))
             writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(self.chunks.shape[1]))
-            writer.add_string(TEXT_KEY, self.text_sha256)
+            writer.add_string(JOB_KEY, self.job)
             for name in sorted(self.rows):
                 order = sorted(self.rows[name])
                 if order != list(range(len(order))):
@@ -103,17 +112,18 @@ class ImatrixRecord:
 
 def collect_imatrix(model: str | Path | None = None, calibration: str | Path | None = None, max_tokens: int = 8192,
                     seq_len: int = 512, out: str | Path = "imatrix.gguf", device: str = "auto",
-                    progress: bool = True, log=None) -> dict:
+                    progress: bool = True, log=None, batch: int = 4, dtype: str = "auto",
+                    gpu_memory: int | None = None) -> dict:
     """Run the calibration text through the model one layer at a time and write llama.cpp's imatrix; `log`
     hears what it will do and, once the first layer is done, how long the rest should take."""
     from .calibrate import LayerCalibration
     from .paths import guard_output, input_paths, model_paths
+    from .schemas import model_header
     from .sources import open_model, runnable
-    from .text import load_text, load_tokenizer, text_hash, token_chunks
+    from .text import calibration_header, load_text, load_tokenizer, token_chunks
 
     out = Path(out)
-    if out.suffix != ".gguf":
-        raise CardfitError(f"{out} does not end in .gguf", "cardfit writes llama.cpp's GGUF imatrix: --out imatrix.gguf")
+    refuse_output(out, "--out")
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
     source = runnable(source)
@@ -121,8 +131,9 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
     chunks = token_chunks(load_tokenizer(str(source.path)), text, seq_len, max_tokens,
                           source=str(text_path), rows=source.embedding_rows())
     tokens = int(chunks.numel())
-    calib = LayerCalibration(source, chunks, "imatrix", device=device)
-    record = ImatrixRecord(source, chunks, text_path.name, text_hash(text))
+    calib = LayerCalibration(source, chunks, "imatrix", device=device, batch=batch, dtype=dtype, gpu_memory=gpu_memory)
+    job = job_key(model_header(source), calibration_header(text, text_path, chunks))
+    record = ImatrixRecord(source, chunks, text_path.name, job)
     layers = source.geometry.num_layers
     bar = None
     if progress:
@@ -150,21 +161,35 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
             "chunks": int(chunks.shape[0]), "chunk_size": int(chunks.shape[1]), "dataset": text_path.name}
 
 
-def made_from(path: Path, calibration: dict) -> bool:
-    """Whether the imatrix at `path` is a whole file cardfit made from the calibration a map records (its
-    `calibration`: the text's sha256, the chunks and their length); False for anything else, unreadable included."""
+def made_from(path: Path, job: str) -> bool:
+    """Whether `path` holds an imatrix cardfit wrote for `job` (job_key); False for anything else, unreadable or
+    missing included. Whether its entries are whole and fit the model, ImatrixFile checks where it is read."""
+    field = made_for(path)
+    return field is not None and field == job
+
+
+def refuse_output(path: Path, flag: str, replaces: bool = True) -> None:
+    """Refuse, before work, an imatrix output that is not a .gguf name, or (`replaces` False: an output a scan
+    may leave alone or replace as it sees fit) one that holds anything but an imatrix a cardfit scan wrote, so a
+    user's own llama-imatrix file is never replaced unasked."""
+    if Path(path).suffix != ".gguf":
+        raise CardfitError(f"{path} does not end in .gguf", f"cardfit writes llama.cpp's GGUF imatrix: {flag} imatrix.gguf")
+    if not replaces and Path(path).is_file() and made_for(Path(path)) is None:
+        raise CardfitError(f"{flag} {path} holds a file that is not the imatrix of a cardfit scan",
+                           f"choose another {flag}, or remove the file (the scan makes it again)")
+
+
+def made_for(path: Path) -> str | None:
+    """The job_key an imatrix cardfit wrote at `path` records, else None (no file, unreadable, not cardfit's)."""
     from .sources.gguf_file import read_gguf
 
+    if not Path(path).is_file():
+        return None
     try:
-        reader = read_gguf(path, "GGUF imatrix", "")
-        fields = {key: reader.get_field(key) for key in ("imatrix.chunk_count", "imatrix.chunk_size", TEXT_KEY)}
-        if any(field is None for field in fields.values()):
-            return False
-        values = {key: field.contents() for key, field in fields.items()}
+        field = read_gguf(path, "GGUF imatrix", "").get_field(JOB_KEY)
+        return None if field is None else str(field.contents())
     except (CardfitError, OSError, ValueError):
-        return False
-    return (values[TEXT_KEY] == calibration.get("sha256") and values["imatrix.chunk_count"] == calibration.get("chunks")
-            and values["imatrix.chunk_size"] == calibration.get("seq_len"))
+        return None
 
 
 def _duration(seconds: float) -> str:

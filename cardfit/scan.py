@@ -44,7 +44,7 @@ from .metrics import DistanceMeter, kl_from_logprobs, target_nll
 from .schemas import KL_METRIC, MAP_VERSION, model_header
 from .groups import EMBED, LM_HEAD, NORM, GroupId, expert_stack
 from .sources import ModelSource, open_model, runnable
-from .text import load_text, load_tokenizer, text_hash, token_chunks
+from .text import calibration_header, load_text, load_tokenizer, token_chunks
 from .weight_signal import METRIC as WEIGHT_METRIC
 
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
@@ -109,8 +109,7 @@ def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Te
     return {
         "cardfit_map": MAP_VERSION,
         "model": model_header(source),
-        "calibration": {"sha256": text_hash(text), "source": text_path.name, "tokens": int(chunks.numel()),
-                        "seq_len": int(chunks.shape[1]), "chunks": int(chunks.shape[0])},
+        "calibration": calibration_header(text, text_path, chunks),
         "damage": {"metric": WEIGHT_METRIC if method == "weight" else KL_METRIC, "method": METHODS[method]},
         "rounding": rounding,
         "compute": compute,
@@ -446,19 +445,21 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
          signal: str | None = None, imatrix_out: str | Path | None = None) -> dict:
     """Measure the damage of every group at every format; returns the map (also written to `out`).
 
-    With `imatrix_out`, llama.cpp's importance matrix of the map's own calibration tokens is there when the
-    scan returns: recorded by the weight signal's walk where the scan prices by it (one forward for both),
-    else by a walk of its own, and kept where an earlier run left one of the same tokens."""
+    With `imatrix_out`, llama.cpp's importance matrix of the map's model and calibration tokens is there when
+    the scan returns: recorded by the weight signal's walk where the scan prices by it (one forward for both),
+    else by a walk of its own (exact, fast and Ray scans, a resumed map already priced), and kept where an
+    earlier run left one of that very job (imatrix.made_from)."""
     result = _scan(model, calibration, max_tokens, formats, group_by, out, resume, device, memory_cap, rounding,
                    seq_len, batch, progress, method, dtype, gpu_memory, log, estimate, ray, workers, shared_dir,
                    weight_budgets, signal, imatrix_out)
     if imatrix_out is not None and not estimate:
-        from .imatrix import collect_imatrix, made_from
+        from .imatrix import collect_imatrix, job_key, made_from
 
-        if not made_from(Path(imatrix_out), result["calibration"]):
+        if not made_from(Path(imatrix_out), job_key(result["model"], result["calibration"])):
             if log:
                 log(f"importance matrix of the map's {result['calibration']['tokens']} tokens -> {imatrix_out}")
-            collect_imatrix(model, calibration, max_tokens, seq_len, imatrix_out, device, progress=False, log=log)
+            collect_imatrix(model, calibration, max_tokens, seq_len, imatrix_out, device, progress=progress, log=log,
+                            batch=batch, dtype=dtype, gpu_memory=gpu_memory)
     return result
 
 
@@ -519,11 +520,11 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
     if imatrix_out is not None:
+        from .imatrix import refuse_output
+
         if estimate:
             raise CardfitError("--estimate writes nothing, --imatrix-out an imatrix", "drop one of them")
-        if Path(imatrix_out).suffix != ".gguf":
-            raise CardfitError(f"{imatrix_out} does not end in .gguf", "cardfit writes llama.cpp's GGUF imatrix: "
-                               "--imatrix-out imatrix.gguf")
+        refuse_output(Path(imatrix_out), "--imatrix-out", replaces=False)
         guard_output(imatrix_out, {"the model": model_paths(source), "the calibration text": input_paths(calibration),
                                    "the map (--out)": [Path(out)]}, flag="--imatrix-out")
     source = runnable(source)
@@ -533,9 +534,11 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method, compute)
     record = None
     if imatrix_out is not None:
-        from .imatrix import ImatrixRecord, made_from
+        from .imatrix import ImatrixRecord, job_key, made_from
 
-        record = None if made_from(Path(imatrix_out), header["calibration"]) else ImatrixRecord(source, chunks, text_path.name, header["calibration"]["sha256"])
+        job = job_key(header["model"], header["calibration"])
+        if not made_from(Path(imatrix_out), job):
+            record = ImatrixRecord(source, chunks, text_path.name, job)
     out = Path(out)
     result = None
     if out.exists() and (resume or not estimate):

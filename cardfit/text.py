@@ -57,6 +57,12 @@ def text_hash(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def calibration_header(text: str, text_path: Path, chunks: torch.Tensor) -> dict:
+    """What a map (and an imatrix cardfit writes) records of the calibration tokens it was made from."""
+    return {"sha256": text_hash(text), "source": text_path.name, "tokens": int(chunks.numel()),
+            "seq_len": int(chunks.shape[1]), "chunks": int(chunks.shape[0])}
+
+
 def token_chunks(tokenizer, text: str, seq_len: int, max_tokens: int | None, source: str = "text",
                  rows: int | None = None) -> torch.Tensor:
     """(n_chunks, seq_len) token ids from the start of the text; refuses texts shorter than one chunk and, given

@@ -110,10 +110,11 @@ def group_prices(source, group, formats: list[Format], rounding: str, statistics
                 alike.setdefault(fmt.rounding_key(tensor.name, tensor.shape, rounding), []).append(fmt)
         own = source.origin_types().get(tensor.name)  # rounded back onto it: priced whole
         sample = {key: same[0].storage(tensor.name, tensor.shape) != own for key, same in alike.items()}
-        drawn = all(sample[key] and samples_rows(weight, same[0], rounding) for key, same in alike.items())
+        drawn = {key: sample[key] and samples_rows(weight, same[0], rounding) for key, same in alike.items()}
+        guide = price_guide(weight, statistics.weightings(tensor)) if any(drawn.values()) else None  # one per tensor
         errors = over_items(lambda key: tensor_error(tensor, weight, alike[key][0], rounding, statistics,
-                                                     sample=sample[key]),
-                            list(alike), values_rounded(weight.numel(), drawn))
+                                                     sample=sample[key], guide=guide),
+                            list(alike), values_rounded(weight.numel(), all(drawn.values())))
         for key, error in zip(alike, errors):
             for fmt in alike[key]:
                 damage[fmt.name] += error
@@ -121,11 +122,11 @@ def group_prices(source, group, formats: list[Format], rounding: str, statistics
 
 
 def tensor_error(tensor, weight: torch.Tensor, fmt: Format, rounding: str, statistics, sample: bool = True,
-                 seed: int = 0) -> float:
+                 seed: int = 0, guide: torch.Tensor | None = None) -> float:
     """One tensor's weight signal under `fmt`: Σ over the statistics' weightings of the weighted squared
     rounding error, from a seeded sample of the rows where the matrix is large and the format rounds rows apart,
     unless the sample cannot decide it (sampling.sampled_or_whole; `sample=False`: always the whole matrix,
-    as bench/sampled_pricing.py compares)."""
+    as bench/sampled_pricing.py compares). `guide`: price_guide(weight, its weightings), where already made."""
     method = fmt.method_for(rounding)
     calibration = statistics.rounding(tensor)
     terms = statistics.weightings(tensor)
@@ -141,8 +142,14 @@ def tensor_error(tensor, weight: torch.Tensor, fmt: Format, rounding: str, stati
         quantized = fmt.roundtrip(tensor.name, rows, calibration, method)
         return sum(row_errors(rows, quantized, c, None if r is None else r[taken]) for c, r in terms)
 
-    guide = sum(scale_guide(weight, c) * (1.0 if r is None else r.to(torch.float64)) for c, r in terms)
+    guide = price_guide(weight, terms) if guide is None else guide
     return sampled_or_whole(guide, price, units_wanted(weight.shape[0], weight.shape[1]), whole, seed)
+
+
+def price_guide(weight: torch.Tensor, terms: list) -> torch.Tensor:
+    """Each row's expected price on any scaled grid (sampling.scale_guide), summed over the weightings: the
+    same for every format, so made once per tensor."""
+    return sum(scale_guide(weight, c) * (1.0 if r is None else r.to(torch.float64)) for c, r in terms)
 
 
 def samples_rows(weight: torch.Tensor, fmt: Format, rounding: str) -> bool:

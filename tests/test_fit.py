@@ -218,7 +218,7 @@ def test_fit_with_an_imatrix_scans_and_packs_every_size_with_the_scan_s_own(tiny
     from cardfit import imatrix as imatrix_module
     from cardfit import pack as pack_module
     from cardfit.fit import fit
-    from cardfit.imatrix import made_from
+    from cardfit.imatrix import job_key, made_from
     from cardfit.sources import open_model, runnable
 
     monkeypatch.setattr(pack_module, "pack", functools.partial(pack_module.pack, smoke=False))
@@ -236,5 +236,30 @@ def test_fit_with_an_imatrix_scans_and_packs_every_size_with_the_scan_s_own(tiny
     summary = fit(model, sizes=f"{sizes[0]},{sizes[1]}", out=out, max_tokens=128, seq_len=32, progress=False,
                   log=None, device="cpu", method="imatrix", formats="Q8_0,Q4_0,IQ4_XS,Q2_K")
     scanned = json.loads((out / "sensitivity.json").read_text())
-    assert scanned["rounding"] == "imatrix" and made_from(out / "imatrix.gguf", scanned["calibration"])
+    assert scanned["rounding"] == "imatrix"
+    assert made_from(out / "imatrix.gguf", job_key(scanned["model"], scanned["calibration"]))
     assert [r["pack"]["method"] for r in summary["sizes"]] == ["imatrix", "imatrix"]
+
+
+def test_fit_resumes_a_map_with_the_rounding_it_was_begun_with(tiny_models, tmp_path, monkeypatch):
+    """A directory scanned with RTN rerun with --method imatrix: the map resumes as it was begun (not refused
+    as another job), and the imatrix every artifact is packed with is made by a walk of its own."""
+    import functools
+
+    from cardfit import pack as pack_module
+    from cardfit.fit import fit
+    from cardfit.sources import open_model, runnable
+
+    monkeypatch.setattr(pack_module, "pack", functools.partial(pack_module.pack, smoke=False))
+    model = tiny_models["llama"]
+    source = runnable(open_model(model))
+    size = (_file_size(source, "Q4_0") + _file_size(source, "Q8_0")) // 2
+    out = tmp_path / "run"
+    said = []
+    kwargs = dict(sizes=str(size), out=out, max_tokens=128, seq_len=32, progress=False, device="cpu",
+                  formats="Q8_0,Q4_0")
+    fit(model, log=None, **kwargs)
+    summary = fit(model, log=said.append, method="imatrix", **kwargs)
+    assert json.loads((out / "sensitivity.json").read_text())["rounding"] == "rtn"
+    assert any("begun with rtn rounding" in line for line in said)
+    assert (out / "imatrix.gguf").is_file() and summary["sizes"][0]["pack"]["method"] == "imatrix"

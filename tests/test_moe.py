@@ -603,3 +603,23 @@ def test_a_stack_with_two_types_is_refused(tiny_model):
     stacked = {e[1]: e for e in GgufPlan(source, formats).entries}["blk.0.ffn_up_exps.weight"]
     assert stacked[0] == tuple(f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4))
     assert stacked[3] == (4, 64, 64)
+
+
+def test_the_weight_signal_s_walk_records_each_expert_s_imatrix_row(tiny_model, tmp_path, calib_text):
+    """scan --imatrix-out on a mixture of experts: the pricing walk's file is `cardfit imatrix`'s, a row and a
+    count per expert."""
+    import gguf
+    import numpy as np
+
+    from cardfit.imatrix import collect_imatrix
+    from cardfit.scan import scan
+
+    model_dir = tiny_model("qwen3-moe-sharp")
+    collect_imatrix(model_dir, calib_text, 256, 64, tmp_path / "alone.gguf", "cpu", progress=False)
+    scan(model_dir, calib_text, 256, "Q8_0,Q4_0", "tensor", tmp_path / "map.json", device="cpu", seq_len=64,
+         progress=False, method="weight", rounding="imatrix", imatrix_out=tmp_path / "walk.gguf")
+    want = {t.name: np.asarray(t.data).copy() for t in gguf.GGUFReader(str(tmp_path / "alone.gguf")).tensors}
+    got = {t.name: np.asarray(t.data).copy() for t in gguf.GGUFReader(str(tmp_path / "walk.gguf")).tensors}
+    assert sorted(got) == sorted(want) and got["blk.1.ffn_down_exps.weight.in_sum2"].shape == (4, 64)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)

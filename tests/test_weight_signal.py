@@ -338,6 +338,12 @@ def test_a_draw_of_nothing_or_an_unscaled_row_is_never_a_price(monkeypatch):
     assert sampling.sampled_or_whole(guide, lambda taken: guide[taken], 0, lambda: 42.0) == 42.0
 
 
+def _belongs(path, scanned: dict) -> bool:
+    from cardfit.imatrix import job_key, made_from
+
+    return made_from(path, job_key(scanned["model"], scanned["calibration"]))
+
+
 def _imatrix_tensors(path):
     import gguf
     import numpy as np
@@ -352,7 +358,7 @@ def test_the_pricing_walk_leaves_the_imatrix_cardfit_imatrix_makes(tiny_models, 
     import numpy as np
 
     from cardfit import imatrix as imatrix_module
-    from cardfit.imatrix import collect_imatrix, made_from
+    from cardfit.imatrix import collect_imatrix
 
     text = small_text(tmp_path)
     model = tiny_models[kind]
@@ -362,7 +368,7 @@ def test_the_pricing_walk_leaves_the_imatrix_cardfit_imatrix_makes(tiny_models, 
     monkeypatch.setattr(imatrix_module, "collect_imatrix", lambda *a, **k: walks.append(a))
     recorded = tmp_path / "scan.gguf"
     result = run_scan(model, text, tmp_path / "map.json", method="weight", rounding="imatrix", imatrix_out=recorded)
-    assert walks == [] and made_from(recorded, result["calibration"])
+    assert walks == [] and _belongs(recorded, result)
     want, got = _imatrix_tensors(alone), _imatrix_tensors(recorded)
     assert sorted(got) == sorted(want) and any(n.startswith("blk.1.") for n in got)
     assert ("output.weight.in_sum2" in got) == (kind == "llama")  # a tied head is the embedding: a lookup, no entry
@@ -373,8 +379,6 @@ def test_the_pricing_walk_leaves_the_imatrix_cardfit_imatrix_makes(tiny_models, 
 def test_a_scan_with_nothing_to_price_still_leaves_its_imatrix(tiny_models, tmp_path):
     """A finished map resumed (or an exact scan) walks for the imatrix alone; one of the same tokens already
     there is kept, one of other tokens is made again."""
-    from cardfit.imatrix import made_from
-
     text = small_text(tmp_path)
     model, out, imatrix = tiny_models["llama"], tmp_path / "map.json", tmp_path / "im.gguf"
     result = run_scan(model, text, out, method="weight", rounding="imatrix", imatrix_out=imatrix)
@@ -387,9 +391,9 @@ def test_a_scan_with_nothing_to_price_still_leaves_its_imatrix(tiny_models, tmp_
     assert imatrix.stat().st_mtime_ns == stamp  # kept
     run_scan(model, text, tmp_path / "short.json", method="weight", rounding="imatrix", imatrix_out=imatrix,
              max_tokens=128)
-    assert not made_from(imatrix, result["calibration"]) and imatrix.read_bytes() != first
+    assert not _belongs(imatrix, result) and imatrix.read_bytes() != first
     exact = run_scan(model, text, tmp_path / "exact.json", imatrix_out=tmp_path / "exact.gguf")
-    assert made_from(tmp_path / "exact.gguf", exact["calibration"])
+    assert _belongs(tmp_path / "exact.gguf", exact)
 
 
 def test_imatrix_out_is_refused_before_work_where_it_cannot_be_written(tiny_models, tmp_path, run_cli):
@@ -401,3 +405,22 @@ def test_imatrix_out_is_refused_before_work_where_it_cannot_be_written(tiny_mode
                                "--out", out, *extra)
         assert code == 2 and message in err.strip().splitlines()[-1], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
+
+
+def test_an_imatrix_belongs_to_its_model_and_a_file_not_a_scan_s_is_never_replaced(tiny_models, tmp_path, run_cli):
+    """Same text, tokens and chunks but another model: the file is made again for it; a file at --imatrix-out
+    that no cardfit scan wrote (a user's own imatrix, anything else) is refused before work and left as it was."""
+    text = small_text(tmp_path)
+    imatrix = tmp_path / "im.gguf"
+    first = run_scan(tiny_models["llama"], text, tmp_path / "a.json", method="weight", rounding="imatrix",
+                     imatrix_out=imatrix)
+    second = run_scan(tiny_models["qwen2"], text, tmp_path / "b.json", method="weight", rounding="imatrix",
+                      imatrix_out=imatrix)
+    assert first["calibration"] == second["calibration"]
+    assert _belongs(imatrix, second) and not _belongs(imatrix, first)
+    mine = tmp_path / "mine.gguf"
+    mine.write_bytes(b"GGUF" + bytes(60))
+    code, _, err = run_cli("scan", tiny_models["llama"], "--calibration", text, "--max-tokens", "256", "--seq-len", "32",
+                           "--out", tmp_path / "c.json", "--imatrix-out", mine)
+    assert code == 2 and "not the imatrix of a cardfit scan" in err.strip().splitlines()[-1]
+    assert mine.read_bytes() == b"GGUF" + bytes(60) and not (tmp_path / "c.json").exists()
