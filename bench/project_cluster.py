@@ -32,7 +32,8 @@ from cardfit.architecture import geometry_from_config
 from cardfit.estimate import estimate_scan, layer_flops
 from cardfit.formats import parse_formats
 from cardfit.groups import GroupId
-from cardfit.scan import LOGIT_POSITIONS, copy_bytes, scan, scan_groups
+from cardfit.groups import scan_groups
+from cardfit.scan import LOGIT_POSITIONS, copy_bytes, scan
 from cardfit.sources.base import ModelSource, TensorInfo, group_of
 
 

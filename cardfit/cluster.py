@@ -259,7 +259,8 @@ def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], poin
     """Every pending cell of group `index`, measured by scan.measure_group on this worker."""
     ray = ray_module()
     from .formats import parse_formats
-    from .scan import measure_group, scan_groups
+    from .groups import scan_groups
+    from .scan import measure_group
 
     torch.set_num_threads(threads)
     scanner = _worker_scanner(ray, job, reference_box)
@@ -349,7 +350,8 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
                 device: str, dtype: str, gpu_memory: int | None, memory_cap: int | None, limit: int,
                 bar=None, log=None, estimate=None) -> dict:
     """Measure `todo` on a Ray cluster and write the map as the single-process scan would."""
-    from .scan import finish, format_batches, in_map_order, pending_by_group
+    from .groups import pending_by_group
+    from .scan import finish, format_batches, in_map_order
 
     ray = ray_module()
     check(address, shared_dir)

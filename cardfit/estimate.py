@@ -79,7 +79,8 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     each, and every layer a walk passes one reference pass; `windows` (the single-process scan) walks the
     layer groups in scan.walk_windows' rounds, each group alone otherwise (a Ray task's walk), as
     `group_seconds` always prices them."""
-    from .scan import copy_bytes, format_batches, measured_formats, pending_by_group, walk_windows
+    from .groups import pending_by_group
+    from .scan import copy_bytes, format_batches, measured_formats, walk_windows
 
     engine, source = scanner.engine, scanner.source
     layers = engine.layers

@@ -288,7 +288,7 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
     then the Fisher is dropped. Refuses a group the pass never reached rather than leave holes."""
     from .errors import CardfitError
     from .formats.ggml_lib import over_items
-    from .scan import pending_by_group
+    from .groups import pending_by_group
 
     pending = pending_by_group(todo)
 

@@ -267,7 +267,7 @@ def _refuse_unreachable(source, formats: str, group_by: str, budget: int, reserv
     names the options that set the budget)."""
     from .budget import no_fit_message
     from .formats import parse_formats
-    from .scan import scan_groups
+    from .groups import scan_groups
 
     menu = parse_formats(formats)
     least = reserve + sum(min(sum(f.tensor_bytes(t.name, t.shape) for t in g.tensors) for f in menu)

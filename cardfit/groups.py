@@ -11,6 +11,9 @@ always had, byte for byte — that also knows what it names: `kind`, `layer`, `t
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+
+from .errors import CardfitError
 
 EMBED_KIND, LAYER_KIND, FIXED_KIND, TENSOR_KIND, NORM_KIND, HEAD_KIND, OTHER_KIND = (
     "embed", "layer", "fixed", "tensor", "norm", "lm_head", "other")
@@ -113,3 +116,52 @@ def group_of(tensor_name: str) -> GroupId:
 
 def group_sort_key(group: str) -> tuple:
     return GroupId(group).sort_key
+
+
+@dataclass
+class Group:
+    """What a scan measures and a plan chooses one format for: the named group's tensors (TensorInfo), and the
+    first decoder layer a change to them reaches."""
+
+    name: str
+    tensors: list  # TensorInfo
+    start: int  # first decoder layer to re-run; -1 embedding, L = head only
+
+    @property
+    def quantizable(self) -> list:
+        return [t for t in self.tensors if len(t.shape) >= 2]
+
+
+def scan_groups(source, group_by: str) -> list[Group]:
+    """The groups of `source` in forward order, per decoder layer or (`group_by` "tensor") per matrix and per
+    routed-expert stack; a tied lm_head is the embedding and is priced once, with it."""
+    if group_by not in ("layer", "tensor"):
+        raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
+    layers = source.geometry.num_layers
+    out = []
+    for name, tensors in source.groups().items():
+        if name == LM_HEAD and source.tied_embeddings:
+            continue
+        group = GroupId(name)
+        start = -1 if group == EMBED else layers if group in (NORM, LM_HEAD) else group.layer
+        if group.kind == "layer" and group_by == "tensor":
+            stacks: dict[str, list] = {}  # an MoE projection's experts: one group, as one GGUF tensor
+            for t in tensors:
+                if len(t.shape) >= 2:
+                    stack = expert_stack(t.name)
+                    stacks.setdefault(t.name if stack is None else stack[0], []).append(t)
+            out += [Group(name, members, start) for name, members in stacks.items()]
+            fixed = [t for t in tensors if len(t.shape) < 2]
+            if fixed:
+                out.append(Group(GroupId.fixed_group(group.layer), fixed, start))
+        else:
+            out.append(Group(name, tensors, start))
+    return out
+
+
+def pending_by_group(todo: list) -> dict[int, list]:
+    """The scan's to-do cells (group index, group, format) as group index -> formats, in order."""
+    out: dict[int, list] = {}
+    for i, _, fmt in todo:
+        out.setdefault(i, []).append(fmt)
+    return out

@@ -367,7 +367,7 @@ def uniform_recipe(source, format_name: str, weight_budget: int | None = None) -
     are null; `check` measures what it really loses.
     """
     from .formats import get_format
-    from .scan import scan_groups
+    from .groups import scan_groups
 
     fmt = get_format(format_name)
     groups = [{"name": g.name, "format": fmt.name, "damage": None,

@@ -34,7 +34,8 @@ class RecipeMeter:
                  device: str = "auto", batch: int = 4, dtype: str = "auto"):
         from .activations import ActivationCache
         from .engine import Engine
-        from .scan import Scanner, scan_groups
+        from .groups import scan_groups
+        from .scan import Scanner
 
         self.engine = Engine(source, device, dtype)
         self.stream = self.engine.stream

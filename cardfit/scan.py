@@ -42,7 +42,7 @@ from .difference import head_change
 from .head_kl import ReferenceSlice, difference_slice_kl, one_thread, slice_kl, summarize
 from .metrics import DistanceMeter, kl_from_logprobs, target_nll
 from .schemas import KL_METRIC, MAP_VERSION, model_header
-from .groups import EMBED, LM_HEAD, NORM, GroupId, expert_stack
+from .groups import EMBED, LM_HEAD, NORM, Group, GroupId, expert_stack, pending_by_group, scan_groups
 from .sources import ModelSource, open_model, runnable
 from .text import calibration_header, load_text, load_tokenizer, token_chunks
 from .weight_signal import METRIC as WEIGHT_METRIC
@@ -54,43 +54,6 @@ ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
 LOGIT_POSITIONS = 256
 CAPPED_LOGIT_POSITIONS = 64
 TAIL_ROWS = "tail"  # the activation cache's key for the reference's tail rows (head_kl.py), beside points 0..L
-
-
-@dataclass
-class Group:
-    name: str
-    tensors: list  # TensorInfo
-    start: int  # first decoder layer to re-run; -1 embedding, L = head only
-
-    @property
-    def quantizable(self) -> list:
-        return [t for t in self.tensors if len(t.shape) >= 2]
-
-
-def scan_groups(source: ModelSource, group_by: str) -> list[Group]:
-    """Groups in forward order; a tied lm_head is the embedding and is priced once, with it."""
-    if group_by not in ("layer", "tensor"):
-        raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
-    layers = source.geometry.num_layers
-    out = []
-    for name, tensors in source.groups().items():
-        if name == LM_HEAD and source.tied_embeddings:
-            continue
-        group = GroupId(name)
-        start = -1 if group == EMBED else layers if group in (NORM, LM_HEAD) else group.layer
-        if group.kind == "layer" and group_by == "tensor":
-            stacks: dict[str, list] = {}  # an MoE projection's experts: one group, as one GGUF tensor
-            for t in tensors:
-                if len(t.shape) >= 2:
-                    stack = expert_stack(t.name)
-                    stacks.setdefault(t.name if stack is None else stack[0], []).append(t)
-            out += [Group(name, members, start) for name, members in stacks.items()]
-            fixed = [t for t in tensors if len(t.shape) < 2]
-            if fixed:
-                out.append(Group(GroupId.fixed_group(group.layer), fixed, start))
-        else:
-            out.append(Group(name, tensors, start))
-    return out
 
 
 METHODS = {"exact": "exact", "fast": "fast (diagonal Fisher of sampled tokens, 1/2 dw^T F dw)",
@@ -395,14 +358,6 @@ def measured_formats(group: Group, formats: list[Format]) -> list[Format]:
     than as F32 (the rest cost nothing: damage 0)."""
     return [f for f in formats if group.quantizable
             and not all(f.storage(t.name, t.shape) == "F32" for t in group.quantizable)]
-
-
-def pending_by_group(todo: list) -> dict[int, list[Format]]:
-    """The scan's to-do cells (group index, group, format) as group index -> formats, in order."""
-    out: dict[int, list[Format]] = {}
-    for i, _, fmt in todo:
-        out.setdefault(i, []).append(fmt)
-    return out
 
 
 def format_batches(group: Group, formats: list[Format], limit: int) -> list[list[Format]]:

@@ -49,7 +49,7 @@ def weight_cells(source, chunks: torch.Tensor, groups: list, todo: list, roundin
     `done(index, {format: damage})` is called as each group's cells are priced. With `record` (an
     imatrix.ImatrixRecord) the walk visits every layer and the output matrix and records their imatrix."""
     from .calibrate import LayerCalibration
-    from .scan import pending_by_group
+    from .groups import pending_by_group
 
     pending = pending_by_group(todo)
     rounding_methods = {f.method_for(rounding) for _, _, f in todo} - {"rtn"}

@@ -107,7 +107,8 @@ def test_the_pricing_clock_says_what_is_left_by_the_work_done():
     taken and the rest at that pace; nothing once all is priced."""
     from types import SimpleNamespace
 
-    from cardfit.scan import Group, PricingClock
+    from cardfit.groups import Group
+    from cardfit.scan import PricingClock
 
     def tensor(*shape):
         return SimpleNamespace(shape=shape, name="w")

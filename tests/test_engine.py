@@ -243,7 +243,8 @@ def test_a_round_of_groups_walks_once_and_gives_each_group_s_own_bits(tiny_model
     from cardfit.activations import ActivationCache
     from cardfit.formats import parse_formats
     from cardfit.groups import EMBED, LM_HEAD
-    from cardfit.scan import Scanner, measure_group, measure_round, scan_groups
+    from cardfit.groups import scan_groups
+    from cardfit.scan import Scanner, measure_group, measure_round
 
     source = open_model(tiny_models[kind], run=True)
     engine = Engine(source, "cpu")
