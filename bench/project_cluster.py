@@ -33,7 +33,8 @@ from cardfit.estimate import estimate_scan, layer_flops
 from cardfit.formats import parse_formats
 from cardfit.groups import GroupId
 from cardfit.groups import scan_groups
-from cardfit.scan import LOGIT_POSITIONS, copy_bytes, scan
+from cardfit.measure import LOGIT_POSITIONS, copy_bytes
+from cardfit.scan import scan
 from cardfit.sources.base import ModelSource, TensorInfo, group_of
 
 

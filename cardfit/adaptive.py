@@ -12,7 +12,7 @@ the signal its measured error: the RMS log error of each measured cell as predic
 (signal_error). Every later round measures each plan's estimated choices, and each estimated cell
 that the plan would take if its damage were BAND such errors lower than estimated (found by solving
 again with that one cell lowered). The loop stops when no cell is left to measure at any budget.
-A round's cells are measured together (scan.measure_round): one walk through the layers for all of
+A round's cells are measured together (measure.measure_round): one walk through the layers for all of
 them, each layer and the head read once per round rather than once per group.
 
 What it does not promise: two cells that are each within the band but together overestimated can

@@ -72,11 +72,12 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
     `reference_logits` shares the reference's forward passes between checks of one reference."""
     from .engine import resolve_device
     from .runtimes import open_runtime
-    from .text import load_text
+    from .text import load_text, refuse_short_budget
 
     device = str(resolve_device(device)[0])
     if not smoke and reference is None:
         raise CardfitError("a full check needs the reference model", "pass --reference MODEL, or --smoke")
+    refuse_short_budget(max_tokens, seq_len)  # before the runtime allocates a context of seq_len
     body, text_path = load_text(text, default="heldout")
     runtime = open_runtime(artifact, n_ctx=seq_len, device=device, kind=kind, runtime=runtime)
     try:

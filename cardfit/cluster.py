@@ -3,7 +3,7 @@
 Once the reference pass has cached every group's input (the hidden states entering its first
 layer) and the reference's summary (head_kl.py), the sweeps are independent: a worker needs the model
 (read from the same path on every node), those inputs, the final hidden states and the reference,
-and runs `scan.measure_group` — the very function the single-process scan runs, so a cell is the
+and runs `measure.measure_group` — the very function the single-process scan runs, so a cell is the
 same bits wherever it was measured. The reference pass is a task too (on a GPU node when the
 cluster has GPUs); its outputs travel through Ray's object store (one object per boundary, fetched
 once per node), or through `--shared-dir`, a directory every node mounts, as safetensors.
@@ -38,7 +38,7 @@ from .atomic import write_json
 from .errors import CardfitError
 from .head_kl import ReferenceSlice, summary_bytes
 from .engine import DIFFERENCES
-from .scan import TAIL_ROWS
+from .measure import TAIL_ROWS
 
 RETRIES = 3  # attempts after the first when the worker process of a task dies
 FORWARDED_ENV = ("CARDFIT_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -71,7 +71,7 @@ class ScanJob:
     def scanner(self):
         """A Scanner on this worker over the job's model, with an empty activation cache."""
         from .engine import Engine
-        from .scan import Scanner
+        from .measure import Scanner
         from .sources.hf_dir import HfDirectorySource
 
         source = HfDirectorySource(Path(self.model))
@@ -256,11 +256,11 @@ def _worker_scanner(ray, job: ScanJob, reference_box: list):
 
 
 def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], point_refs: list, reference_box: list):
-    """Every pending cell of group `index`, measured by scan.measure_group on this worker."""
+    """Every pending cell of group `index`, measured by measure.measure_group on this worker."""
     ray = ray_module()
     from .formats import parse_formats
     from .groups import scan_groups
-    from .scan import measure_group
+    from .measure import measure_group
 
     torch.set_num_threads(threads)
     scanner = _worker_scanner(ray, job, reference_box)
@@ -351,7 +351,7 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
                 bar=None, log=None, estimate=None) -> dict:
     """Measure `todo` on a Ray cluster and write the map as the single-process scan would."""
     from .groups import pending_by_group
-    from .scan import finish, format_batches, in_map_order
+    from .measure import finish, format_batches, in_map_order
 
     ray = ray_module()
     check(address, shared_dir)

@@ -37,6 +37,9 @@ BASELINES = {"rtn": "W4A16-g128 RTN", "gptq": "W4A16-g128 GPTQ", "awq": "W4A16-g
 DEFAULT_BASELINES = tuple(BASELINES)
 # What each cached artifact in --out was made from; a rerun reuses a file only when its key is equal.
 STATE = "compare-state.json"
+# what compare writes in its directory (paths.guard_output patterns): an input there would be overwritten
+COMPARE_WRITES = (STATE, "imatrix.gguf", "sensitivity*.json", "weight-map*.json", "f16.gguf", "shelf*.gguf",
+                  "cardfit*.gguf", "uniform-body*.gguf", "weight-allocator*.gguf", "w4a16-*", "w4a16-*/*", "compare*")
 STATE_VERSION = 1
 
 
@@ -211,6 +214,10 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     from .sources import open_model, runnable
     from .text import load_text, text_hash
 
+    from .text import refuse_short_budget
+
+    refuse_short_budget(max_tokens, seq_len)  # the held-out check's, and the scan's and packs' calibration
+    refuse_short_budget(scan_tokens, seq_len, "--scan-tokens")
     if not presets:
         raise CardfitError("--presets names no llama.cpp preset", "name one or more, e.g. --presets "
                            + ",".join(DEFAULT_PRESETS))
@@ -231,7 +238,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
             raise CardfitError(f"unknown baseline '{name}'", "known: " + ", ".join(BASELINES) + " (or none)")
     source = open_model(model)
     out = guard_output(out, {"the model": model_paths(source), "the map": input_paths(map_path),
-                             "the held-out text": input_paths(text)}, kind="workdir")
+                             "the held-out text": input_paths(text)}, kind="workdir", writes=COMPARE_WRITES)
     source = runnable(source)
     if map_path is not None:
         _refuse_foreign_map(map_path, source, "imatrix" if imatrix else "rtn")

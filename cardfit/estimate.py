@@ -73,14 +73,14 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
                   rounds_ahead: bool = False, windows: bool = False) -> ScanEstimate:
     """Counts of the scan `todo` will run (scan.py's walk) priced by unit times measured now, or by
     given `units` (the same keys as _unit_seconds; bench/project_cluster.py prices other devices so).
-    Layers the engine keeps resident are read once; with `rounds_ahead` (scan.RoundedAhead: the next
+    Layers the engine keeps resident are read once; with `rounds_ahead` (measure.RoundedAhead: the next
     sweep's copies rounded on a host thread) a group costs the longer of its rounding and its sweeps.
     In difference form (engine.DIFFERENCES) a track's layers after its own cost a difference forward
     each, and every layer a walk passes one reference pass; `windows` (the single-process scan) walks the
-    layer groups in scan.walk_windows' rounds, each group alone otherwise (a Ray task's walk), as
+    layer groups in measure.walk_windows' rounds, each group alone otherwise (a Ray task's walk), as
     `group_seconds` always prices them."""
     from .groups import pending_by_group
-    from .scan import copy_bytes, format_batches, measured_formats, walk_windows
+    from .measure import copy_bytes, format_batches, measured_formats, walk_windows
 
     engine, source = scanner.engine, scanner.source
     layers = engine.layers

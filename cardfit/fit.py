@@ -211,6 +211,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         map_path = out / "sensitivity.json"
         imatrix = out / IMATRIX_FILE if method == "imatrix" else None
         rounding = "imatrix" if method == "imatrix" else "rtn"
+        if imatrix is not None:
+            _own_imatrix(imatrix)
         if begun_rounding in ROUNDINGS and begun_rounding != rounding:
             _say(log, f"{map_path} was begun with {begun_rounding} rounding: resumed as it was begun (a new --out "
                       f"scans {rounding} rounding)")
@@ -332,6 +334,18 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
         _say(log, render_check(checked))
     write_text(out / "report.md", render_report(b, job.sensitivity, recipe, packed, checked, artifact, budget))
     return {"recipe": recipe, "pack": packed, "check": checked, "artifact": str(artifact)}
+
+
+def _own_imatrix(path: Path) -> None:
+    """fit's importance matrix is its own output: anything at DIR/imatrix.gguf that is not an imatrix a scan
+    wrote is replaced (the scan makes it again), a directory there refused."""
+    from .imatrix import made_for
+
+    if path.is_dir():
+        raise CardfitError(f"{path} is a directory, where fit writes its importance matrix",
+                           f"remove {path}, or fit into another --out")
+    if (path.is_file() or path.is_symlink()) and made_for(path) is None:
+        path.unlink()
 
 
 def _packing_key(recipe: dict, method: str, imatrix: Path | None) -> str:

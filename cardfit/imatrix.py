@@ -162,10 +162,18 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
 
 
 def made_from(path: Path, job: str) -> bool:
-    """Whether `path` holds an imatrix cardfit wrote for `job` (job_key); False for anything else, unreadable or
-    missing included. Whether its entries are whole and fit the model, ImatrixFile checks where it is read."""
-    field = made_for(path)
-    return field is not None and field == job
+    """Whether `path` holds an imatrix cardfit wrote for `job` (job_key) with every value finite and none
+    negative; False for anything else, unreadable or missing included (so a damaged one is made again). Whether
+    its entries fit the model, ImatrixFile checks where it is read."""
+    from .sources.gguf_file import read_gguf
+
+    if made_for(path) != job:
+        return False
+    try:
+        values = [np.asarray(t.data, dtype=np.float64) for t in read_gguf(path, "GGUF imatrix", "").tensors]
+    except (CardfitError, OSError, ValueError):
+        return False
+    return all(np.isfinite(v).all() and not (v < 0).any() for v in values)
 
 
 def refuse_output(path: Path, flag: str, replaces: bool = True) -> None:

@@ -7,6 +7,7 @@ user came with). The check runs before any work, so a refusal costs nothing.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 from contextlib import contextmanager
@@ -86,7 +87,7 @@ def guard_output(out: str | Path, inputs: dict[str, list[Path]], kind: str = "fi
 
     `inputs` maps a label ("the model", "the recipe") to the paths it occupies; `kind` is
     "file", "dir" (a directory replaced whole) or "workdir" (a directory the command writes the
-    files named in `writes` into, leaving the rest alone)."""
+    files named in `writes` into, leaving the rest alone; a name may be an fnmatch pattern)."""
     given = Path(out).expanduser()
     target = given.absolute()
     resolved = resolved_output(out, flag)
@@ -99,6 +100,7 @@ def guard_output(out: str | Path, inputs: dict[str, list[Path]], kind: str = "fi
     if kind in ("dir", "workdir") and given.exists() and not given.is_dir():
         raise CardfitError(f"{flag} {out} is a file, and a directory is written there",
                            f"name a directory, e.g. {flag} {given.with_suffix('')}-out")
+    _refuse_unmakeable(target, flag, out)
     for label, paths in inputs.items():
         for path in paths:
             for candidate in (target, resolved):
@@ -111,12 +113,31 @@ def guard_output(out: str | Path, inputs: dict[str, list[Path]], kind: str = "fi
                 if kind != "workdir" and _inside(path, candidate):
                     raise CardfitError(f"{flag} {out} holds {label} ({path}), which writing it would destroy",
                                        f"write the output elsewhere ({flag} another path)")
-        for name in writes:
-            for candidate in (target / name, resolved / name):
-                if any(_same(candidate, path) for path in paths):
-                    raise CardfitError(f"{flag} {out} would overwrite {label} ({candidate.name})",
-                                       f"write the output elsewhere ({flag} another path)")
+        for name in writes:  # a name, or a glob pattern (fnmatch) of names, under the directory
+            for base in (target, resolved):
+                for path in paths:
+                    hit = (_inside(path, base) and fnmatch.fnmatch(path.relative_to(base).as_posix(), name)) or (
+                        not any(c in name for c in "*?[") and _same(base / name, path))
+                    if hit:
+                        raise CardfitError(f"{flag} {out} would overwrite {label} ({path.name})",
+                                           f"write the output elsewhere ({flag} another path)")
     return given
+
+
+def _refuse_unmakeable(target: Path, flag: str, out) -> None:
+    """Refuse, before any work, an output whose directory cannot be made or written: a file standing where a
+    directory of its path must be, or the nearest existing directory not writable by this user."""
+    for place in target.parents:
+        if place.exists():
+            if not place.is_dir():
+                raise CardfitError(f"{flag} {out}: {place} is a file, and the output needs a directory there",
+                                   f"give {flag} a path in a directory")
+            if not os.access(place, os.W_OK | os.X_OK):
+                raise CardfitError(f"{flag} {out}: {place} is not writable by this user",
+                                   f"give {flag} a path in a directory you can write")
+            return
+        if place.is_symlink():  # a dangling link where a directory must be made
+            raise CardfitError(f"{flag} {out}: {place} is a link to nothing", f"give {flag} a path in a directory")
 
 
 @contextmanager

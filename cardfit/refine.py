@@ -35,7 +35,7 @@ class RecipeMeter:
         from .activations import ActivationCache
         from .engine import Engine
         from .groups import scan_groups
-        from .scan import Scanner
+        from .measure import Scanner
 
         self.engine = Engine(source, device, dtype)
         self.stream = self.engine.stream

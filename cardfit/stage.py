@@ -1,4 +1,4 @@
-"""A pipeline stage is a module you can call: `cardfit.scan(...)` runs the stage, `cardfit.scan.Scanner`
+"""A pipeline stage is a module you can call: `cardfit.scan(...)` runs the stage, `cardfit.scan.map_header`
 is still the module's, and `import cardfit.scan` never finds a function where a module should be."""
 
 from __future__ import annotations

@@ -63,6 +63,14 @@ def calibration_header(text: str, text_path: Path, chunks: torch.Tensor) -> dict
             "seq_len": int(chunks.shape[1]), "chunks": int(chunks.shape[0])}
 
 
+def refuse_short_budget(max_tokens: int | None, seq_len: int, flag: str = "--max-tokens") -> None:
+    """Refuse a token budget under one chunk; commands call it before they allocate for a chunk (a runtime's
+    context of `seq_len`), token_chunks again once the text is read."""
+    if max_tokens is not None and max_tokens < seq_len:
+        raise CardfitError(f"{flag} {max_tokens} is less than one chunk of {seq_len} tokens",
+                           f"raise {flag} to at least {seq_len}")  # fit and compare have no --seq-len
+
+
 def token_chunks(tokenizer, text: str, seq_len: int, max_tokens: int | None, source: str = "text",
                  rows: int | None = None) -> torch.Tensor:
     """(n_chunks, seq_len) token ids from the start of the text; refuses texts shorter than one chunk and, given
@@ -75,8 +83,7 @@ def token_chunks(tokenizer, text: str, seq_len: int, max_tokens: int | None, sou
     limit = len(ids) if max_tokens is None else min(len(ids), max_tokens)
     n = limit // seq_len
     if n == 0 and len(ids) >= seq_len:
-        raise CardfitError(f"--max-tokens {max_tokens} is less than one chunk of {seq_len} tokens",
-                           f"raise --max-tokens to at least {seq_len}")  # fit and compare have no --seq-len
+        refuse_short_budget(max_tokens, seq_len)
     if n == 0:
         raise CardfitError(f"{source} has {len(ids)} tokens, fewer than one chunk of {seq_len}",
                            f"give a text of at least {seq_len} tokens")

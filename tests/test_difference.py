@@ -115,15 +115,16 @@ def test_layers_that_cannot_be_checked_run_whole_in_float32(tiny_models, monkeyp
 
 
 def test_difference_maps_are_the_same_bits_whatever_walks_them(tiny_models, tmp_path, calib_text, monkeypatch):
-    """An exact scan in difference form walks its layer groups in rounds (scan.walk_windows); a cell's bits do
+    """An exact scan in difference form walks its layer groups in rounds (measure.walk_windows); a cell's bits do
     not depend on which tracks share its walk: one round per layer and one round for all give the same map.
     It reads layers fewer times than a walk per group, and stays within 1 % and two standard errors of the
     float32 map (the Q8_0 cells of these random models are ~1e-7 nats, near float32's own noise)."""
+    from cardfit import measure
     from cardfit import scan as scan_module
 
     maps, loads = {}, {}
     for windows in (1, 100):
-        monkeypatch.setattr(scan_module, "WINDOWS", windows)
+        monkeypatch.setattr(measure, "WINDOWS", windows)
         lines = []
         maps[windows] = _scan(tiny_models["qwen2"], tmp_path / f"w{windows}.json", calib_text, dtype=DIFFERENCES,
                               log=lines.append)

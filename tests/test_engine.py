@@ -244,7 +244,7 @@ def test_a_round_of_groups_walks_once_and_gives_each_group_s_own_bits(tiny_model
     from cardfit.formats import parse_formats
     from cardfit.groups import EMBED, LM_HEAD
     from cardfit.groups import scan_groups
-    from cardfit.scan import Scanner, measure_group, measure_round
+    from cardfit.measure import Scanner, measure_group, measure_round
 
     source = open_model(tiny_models[kind], run=True)
     engine = Engine(source, "cpu")
@@ -277,11 +277,12 @@ def test_the_logits_slice_does_not_change_a_cell(tiny_models, tmp_path, calib_te
     """The head's logits are computed `positions` at a time (256, for the matmul's speed; 64 under a memory
     cap): every cell's damage and top-1 are the same bits whatever the slice, only the reference's summed
     NLL may differ in its last place (it is summed slice by slice)."""
+    from cardfit import measure
     from cardfit import scan as scan_module
 
     maps = {}
     for positions in (64, 16):
-        monkeypatch.setattr(scan_module, "LOGIT_POSITIONS", positions)
+        monkeypatch.setattr(measure, "LOGIT_POSITIONS", positions)
         maps[positions] = scan_module.scan(tiny_models["qwen2"], calib_text, 256, "Q8_0,Q2_K",
                                            out=tmp_path / f"{positions}.json", seq_len=64, progress=False, device="cpu")
     assert [g["cells"] for g in maps[64]["groups"]] == [g["cells"] for g in maps[16]["groups"]]

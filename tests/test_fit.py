@@ -3,6 +3,10 @@
 import json
 from pathlib import Path
 
+import pytest
+
+from cardfit.errors import CardfitError
+
 
 def test_fit_leaves_every_artifact(embedded_fit):
     out, summary = embedded_fit
@@ -127,22 +131,34 @@ def _file_size(source, format_name):
     return reserve_bytes(source, "llama.cpp") + sum(fmt.tensor_bytes(t.name, t.shape) for t in priced_tensors(source))
 
 
-def test_fit_size_packs_the_best_file_no_larger_than_each_size_from_one_scan(tiny_models, tmp_path, monkeypatch):
-    """`fit --size A,B`: one map decided at both sizes, then per size its own directory whose GGUF (the whole
-    file) is no larger than the size; the larger size buys no more damage; the report names the file size.
-    (A random model's perplexity is its vocabulary's size: the smoke check's ceiling is not for it.)"""
+@pytest.fixture()
+def unsmoked(monkeypatch):
+    """pack without its smoke check: a random model's perplexity is its vocabulary's size, over the ceiling."""
     import functools
 
     from cardfit import pack as pack_module
-    from cardfit.fit import fit
-    from cardfit.sources import open_model, runnable
 
     monkeypatch.setattr(pack_module, "pack", functools.partial(pack_module.pack, smoke=False))
+    return pack_module
+
+
+def _tiny_sizes(tiny_models) -> tuple:
+    """The tiny Llama and two whole-file sizes between its uniform Q4_0 and Q8_0 GGUFs."""
+    from cardfit.sources import open_model, runnable
 
     model = tiny_models["llama"]
     source = runnable(open_model(model))
     low, high = _file_size(source, "Q4_0"), _file_size(source, "Q8_0")
-    sizes = [low + (high - low) // 4, low + 3 * (high - low) // 4]
+    return model, [low + (high - low) // 4, low + 3 * (high - low) // 4]
+
+
+def test_fit_size_packs_the_best_file_no_larger_than_each_size_from_one_scan(tiny_models, tmp_path, unsmoked):
+    """`fit --size A,B`: one map decided at both sizes, then per size its own directory whose GGUF (the whole
+    file) is no larger than the size; the larger size buys no more damage; the report names the file size.
+    (A random model's perplexity is its vocabulary's size: the smoke check's ceiling is not for it.)"""
+    from cardfit.fit import fit
+
+    model, sizes = _tiny_sizes(tiny_models)
     out = tmp_path / "run"
     summary = fit(model, sizes=f"{sizes[0]},{sizes[1]}", out=out, max_tokens=128, seq_len=32, progress=False,
                   log=None, device="cpu")
@@ -210,28 +226,20 @@ def test_a_fit_that_fails_before_writing_anything_leaves_no_directory(tiny_model
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
 
 
-def test_fit_with_an_imatrix_scans_and_packs_every_size_with_the_scan_s_own(tiny_models, tmp_path, monkeypatch):
+def test_fit_with_an_imatrix_scans_and_packs_every_size_with_the_scan_s_own(tiny_models, tmp_path, monkeypatch,
+                                                                          unsmoked):
     """`fit --method imatrix --size A,B`: the map measures imatrix rounding, the pricing walk leaves
     DIR/imatrix.gguf, and both sizes are packed with it: no other calibration walk runs."""
-    import functools
-
     from cardfit import imatrix as imatrix_module
-    from cardfit import pack as pack_module
     from cardfit.fit import fit
     from cardfit.imatrix import job_key, made_from
-    from cardfit.sources import open_model, runnable
-
-    monkeypatch.setattr(pack_module, "pack", functools.partial(pack_module.pack, smoke=False))
 
     def no_walk(*args, **kwargs):
         raise AssertionError("a second calibration walk")
 
-    monkeypatch.setattr(pack_module, "_calibration", no_walk)
+    monkeypatch.setattr(unsmoked, "_calibration", no_walk)
     monkeypatch.setattr(imatrix_module, "collect_imatrix", no_walk)
-    model = tiny_models["llama"]
-    source = runnable(open_model(model))
-    low, high = _file_size(source, "Q4_0"), _file_size(source, "Q8_0")
-    sizes = [low + (high - low) // 4, low + 3 * (high - low) // 4]
+    model, sizes = _tiny_sizes(tiny_models)
     out = tmp_path / "run"
     summary = fit(model, sizes=f"{sizes[0]},{sizes[1]}", out=out, max_tokens=128, seq_len=32, progress=False,
                   log=None, device="cpu", method="imatrix", formats="Q8_0,Q4_0,IQ4_XS,Q2_K")
@@ -241,19 +249,12 @@ def test_fit_with_an_imatrix_scans_and_packs_every_size_with_the_scan_s_own(tiny
     assert [r["pack"]["method"] for r in summary["sizes"]] == ["imatrix", "imatrix"]
 
 
-def test_fit_resumes_a_map_with_the_rounding_it_was_begun_with(tiny_models, tmp_path, monkeypatch):
+def test_fit_resumes_a_map_with_the_rounding_it_was_begun_with(tiny_models, tmp_path, unsmoked):
     """A directory scanned with RTN rerun with --method imatrix: the map resumes as it was begun (not refused
     as another job), and the imatrix every artifact is packed with is made by a walk of its own."""
-    import functools
-
-    from cardfit import pack as pack_module
     from cardfit.fit import fit
-    from cardfit.sources import open_model, runnable
 
-    monkeypatch.setattr(pack_module, "pack", functools.partial(pack_module.pack, smoke=False))
-    model = tiny_models["llama"]
-    source = runnable(open_model(model))
-    size = (_file_size(source, "Q4_0") + _file_size(source, "Q8_0")) // 2
+    model, (size, _) = _tiny_sizes(tiny_models)
     out = tmp_path / "run"
     said = []
     kwargs = dict(sizes=str(size), out=out, max_tokens=128, seq_len=32, progress=False, device="cpu",
@@ -263,3 +264,33 @@ def test_fit_resumes_a_map_with_the_rounding_it_was_begun_with(tiny_models, tmp_
     assert json.loads((out / "sensitivity.json").read_text())["rounding"] == "rtn"
     assert any("begun with rtn rounding" in line for line in said)
     assert (out / "imatrix.gguf").is_file() and summary["sizes"][0]["pack"]["method"] == "imatrix"
+
+
+def test_fit_owns_its_imatrix_file(tiny_models, tmp_path, unsmoked):
+    """Junk at DIR/imatrix.gguf is fit's own output name: replaced; an imatrix of this job whose values were
+    damaged is made again rather than packed with; a directory there is refused before any work."""
+    import gguf
+
+    from cardfit.fit import fit
+    from cardfit.imatrix import job_key, made_from
+
+    model, (size, _) = _tiny_sizes(tiny_models)
+    out = tmp_path / "run"
+    kwargs = dict(sizes=str(size), out=out, max_tokens=128, seq_len=32, progress=False, device="cpu",
+                  formats="Q8_0,Q4_0", method="imatrix", log=None)
+    out.mkdir()
+    (out / "imatrix.gguf").write_bytes(b"junk")
+    fit(model, **kwargs)
+    scanned = json.loads((out / "sensitivity.json").read_text())
+    job = job_key(scanned["model"], scanned["calibration"])
+    assert made_from(out / "imatrix.gguf", job)
+    reader = gguf.GGUFReader(str(out / "imatrix.gguf"), "r+")
+    reader.tensors[0].data[...] = float("nan")  # the header still names this job
+    del reader
+    assert not made_from(out / "imatrix.gguf", job)
+    fit(model, **kwargs)
+    assert made_from(out / "imatrix.gguf", job)
+    (out / "imatrix.gguf").unlink()
+    (out / "imatrix.gguf").mkdir()
+    with pytest.raises(CardfitError, match="is a directory, where fit writes its importance matrix"):
+        fit(model, **kwargs)

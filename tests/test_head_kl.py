@@ -187,9 +187,10 @@ def test_a_one_position_slice_is_the_same_bits_on_any_number_of_threads(tiny_mod
                                                                        monkeypatch):
     """Sequences of 33 in slices of 16 leave a slice of one position, whose vocabulary-wide sums torch
     would split across threads; the maps made on 1 and 2 threads are the same bytes."""
+    from cardfit import measure
     from cardfit import scan as scan_module
 
-    monkeypatch.setattr(scan_module, "LOGIT_POSITIONS", 16)
+    monkeypatch.setattr(measure, "LOGIT_POSITIONS", 16)
     threads = torch.get_num_threads()
     maps = []
     try:

@@ -107,7 +107,8 @@ def test_output_path_unwritable(tiny_models, tmp_path, run_cli):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     code, _, err = run_cli("pack", recipe, "--model", model, "--out", blocker / "sub" / "x.gguf", "--no-smoke")
-    assert code == 2 and "cannot create directory" in err
+    assert code == 2 and f"{blocker} is a file, and the output needs a directory there" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "r.json"]
 
 
 # -- faults -------------------------------------------------------------------------------------------
@@ -379,7 +380,8 @@ def test_a_second_run_on_one_output_is_refused_naming_the_first(tiny_models, pla
                               text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (f"error: --out {out.resolve()} is being written by pid {os.getpid()} (cardfit "
-                                   "scan) — wait for that run to finish, or give --out another path")
+                                   "scan) (or a run writing inside it) — wait for that run to finish, or give --out "
+                                   "another path")
     assert sorted(tmp_path.iterdir()) == []
 
 
@@ -508,3 +510,60 @@ def test_help_reads_well_at_80_columns(command):
     continued = [line for line in lines if line.startswith(" ") and line.strip() and not line.lstrip().startswith("-")]
     assert continued and all(len(line) - len(line.lstrip()) <= 40 for line in continued), done.stdout
     assert not any("│" in line for line in lines)  # no panels: their borders cost the columns a description needs
+
+
+def test_a_run_writing_inside_a_directory_another_run_writes_is_refused(tiny_models, tmp_path):
+    """fit holds its whole directory: a scan writing a file inside it is refused naming fit, and fit is refused
+    while a run writes inside its directory; nothing is left either way."""
+    from cardfit.locks import holding
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "cardfit.cli", *map(str, args)], capture_output=True, text=True,
+                              timeout=300)
+
+    folder = tmp_path / "fit"
+    with holding({"--out": folder}, "fit"):
+        done = cli("scan", tiny_models["llama"], "--max-tokens", "64", "--seq-len", "32", "--out", folder / "s.json")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"lies inside {folder.resolve()}, which pid {os.getpid()} (cardfit fit) is writing" in done.stderr
+    with holding({"--out": folder / "s.json"}, "scan"):
+        done = cli("fit", tiny_models["llama"], "--vram", "1GiB", "--out", folder)
+    assert done.returncode == 2 and "is being written by" in done.stderr, done.stderr
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_outputs_that_cannot_be_made_or_are_one_place_are_refused_before_work(tiny_models, tmp_path, run_cli):
+    """A file where an output's directory must be; scan's map and imatrix on one path (however spelled); check's
+    chunk longer than its token budget (llama.cpp would allocate a context that long first)."""
+    from cardfit.default_model import default_gguf
+
+    from test_scan import small_text
+
+    text = small_text(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    scan = ["scan", tiny_models["llama"], "--calibration", text, "--max-tokens", "64", "--seq-len", "32"]
+    for args, said in (([*scan, "--out", tmp_path / "afile" / "m.json"], "is a file, and the output needs a directory"),
+                       ([*scan, "--out", tmp_path / "m.json", "--imatrix-out", tmp_path / "afile" / "im.gguf"],
+                        "is a file, and the output needs a directory"),
+                       ([*scan, "--out", tmp_path / "x.gguf", "--imatrix-out", tmp_path / "." / "x.gguf"],
+                        "are the same file"),
+                       (["check", default_gguf(), "--smoke", "--max-tokens", "256", "--seq-len", "200000"],
+                        "less than one chunk of 200000")):
+        code, _, err = run_cli(*args)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "calib.txt"]
+
+
+def test_compare_never_writes_over_an_input_inside_its_directory(tiny_models, tmp_path, run_cli):
+    """A --map named like a file compare writes, inside its --out: refused before work, the map untouched."""
+    from test_scan import run_scan, small_text
+
+    out = tmp_path / "cmp"
+    out.mkdir()
+    the_map = out / "weight-map.json"
+    run_scan(tiny_models["llama"], small_text(tmp_path), the_map, formats="Q8_0,Q4_0")
+    before = the_map.read_bytes()
+    code, _, err = run_cli("compare", tiny_models["llama"], "--map", the_map, "--out", out, "--presets", "Q8_0",
+                           "--baselines", "none", "--no-speed")
+    assert code == 2 and "would overwrite the map" in err and len(err.strip().splitlines()) == 1, err
+    assert the_map.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["weight-map.json"]
