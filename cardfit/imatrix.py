@@ -200,6 +200,27 @@ def made_for(path: Path) -> str | None:
         return None
 
 
+def _refuse_other_depth(path: Path, tensors: dict, names: dict[str, str], layers: int) -> None:
+    """Refuse an imatrix made for a model of another depth: entries for decoder layers this model does not
+    have, or none for a layer it has while others have theirs (it would round that layer without one,
+    silently). Entries outside the decoder layers (a tied output's token_embd) are llama.cpp's own affair."""
+    import re
+
+    def layer(name: str) -> int | None:
+        found = re.match(r"blk\.(\d+)\.", name)
+        return int(found.group(1)) if found else None
+
+    have = {layer(n) for n in tensors if n.endswith(".in_sum2")} - {None}
+    beyond = sorted(n for n in have if n >= layers)
+    wanted = {layer(n) for n in names.values()} - {None}
+    missing = sorted(wanted - have) if have else []
+    if beyond or missing:
+        what = (f"entries for layer {beyond[0]}, and this model has {layers} layers" if beyond else
+                f"no entry for layer {missing[0]} of this model's {layers}, while other layers have theirs")
+        raise CardfitError(f"{path} has {what}: it was made for another model",
+                           "use an imatrix made for this model (cardfit imatrix MODEL)")
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"
 
@@ -224,6 +245,7 @@ class ImatrixFile:
                 raise CardfitError(f"{path}: {name} holds {'negative' if np.isfinite(values).all() else 'non-finite'} "
                                    "values (sums of squares and counts are finite and never negative)",
                                    "make the imatrix again with cardfit imatrix")
+        _refuse_other_depth(path, tensors, gguf_tensor_names(source), source.geometry.num_layers)
         self.means: dict[str, torch.Tensor] = {}
         self.unvisited: list[str] = []  # routed experts' matrices the file has no token for
         shapes = {t.name: t.shape for t in source.tensors()}

@@ -134,7 +134,7 @@ def test_an_imatrix_file_missing_a_tensor_an_i_quant_needs_is_refused_before_wri
     writer.kv_data[0].pop("general.architecture", None)
     writer.add_type(gguf.GGUFType.IMATRIX)
     for t in reader.tensors:
-        if not t.name.startswith("blk.1."):
+        if not t.name.startswith("blk.1.attn_q."):
             writer.add_tensor(t.name, np.asarray(t.data).reshape(1, -1))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -142,7 +142,7 @@ def test_an_imatrix_file_missing_a_tensor_an_i_quant_needs_is_refused_before_wri
     writer.close()
     recipe = uniform_recipe(open_model(model), "IQ2_XXS")
     before = partial.read_bytes()
-    with pytest.raises(CardfitError, match="no entry for blk.1"):
+    with pytest.raises(CardfitError, match="no entry for blk.1.attn_q"):
         pack(recipe, model, tmp_path / "out.gguf", progress=False, imatrix=partial)
     assert not (tmp_path / "out.gguf").exists() and partial.read_bytes() == before
     report = pack(recipe, model, tmp_path / "out.gguf", progress=False, imatrix=whole, smoke=False)
@@ -176,3 +176,36 @@ def test_per_tensor_groups_plan_and_pack_the_ladder(ladder_map, tmp_path):
     per_tensor = [g for g in recipe["groups"] if g["name"] in names]
     assert per_tensor and all(types[names[g["name"]]] == g["format"] for g in per_tensor)
     assert {"Q4_K", "IQ2_XXS"} <= {g["format"] for g in per_tensor}
+
+
+@pytest.mark.parametrize("layer_of", [lambda n: n + 7, lambda n: None if n == 1 else n])  # deeper; a layer short
+def test_an_imatrix_of_another_depth_is_refused(ladder_map, tmp_path, layer_of):
+    """An imatrix made for a model with more or fewer layers: refused before writing, not used for the layers
+    it happens to share."""
+    import re
+
+    import numpy as np
+
+    from cardfit.errors import CardfitError
+    from cardfit.imatrix import collect_imatrix
+
+    model, out = ladder_map
+    whole = tmp_path / "imatrix.gguf"
+    collect_imatrix(model, out / "calib.txt", max_tokens=256, seq_len=64, out=whole, progress=False)
+    other = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(other), arch="imatrix")
+    writer.kv_data[0].pop("general.architecture", None)
+    writer.add_type(gguf.GGUFType.IMATRIX)
+    for t in gguf.GGUFReader(str(whole)).tensors:
+        found = re.match(r"blk\.(\d+)\.(.*)", t.name)
+        moved = layer_of(int(found.group(1))) if found else None
+        if found and moved is None:
+            continue
+        writer.add_tensor(f"blk.{moved}.{found.group(2)}" if found else t.name, np.asarray(t.data).reshape(1, -1))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CardfitError, match="it was made for another model"):
+        pack(uniform_recipe(open_model(model), "Q4_0"), model, tmp_path / "out.gguf", progress=False, imatrix=other)
+    assert not (tmp_path / "out.gguf").exists()
