@@ -128,6 +128,9 @@ def _refuse_unmakeable(target: Path, flag: str, out) -> None:
     """Refuse, before any work, an output whose directory cannot be made or written: a file standing where a
     directory of its path must be, or the nearest existing directory not writable by this user."""
     for place in target.parents:
+        if place.name == ".." and not place.exists():  # making it would make the missing directory before ".."
+            raise CardfitError(f"{flag} {out} climbs out of {place.parent}, which does not exist",
+                               f"give {flag} without the detour, e.g. {flag} {os.path.normpath(out)}")
         if place.exists():
             if not place.is_dir():
                 raise CardfitError(f"{flag} {out}: {place} is a file, and the output needs a directory there",

@@ -547,6 +547,7 @@ def test_outputs_that_cannot_be_made_or_are_one_place_are_refused_before_work(ti
                         "is a file, and the output needs a directory"),
                        ([*scan, "--out", tmp_path / "x.gguf", "--imatrix-out", tmp_path / "." / "x.gguf"],
                         "are the same file"),
+                       ([*scan, "--out", tmp_path / "nope" / ".." / "m.json"], "climbs out of"),
                        (["check", default_gguf(), "--smoke", "--max-tokens", "256", "--seq-len", "200000"],
                         "less than one chunk of 200000")):
         code, _, err = run_cli(*args)
