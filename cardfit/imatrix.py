@@ -162,18 +162,24 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
 
 
 def made_from(path: Path, job: str) -> bool:
-    """Whether `path` holds an imatrix cardfit wrote for `job` (job_key) with every value finite and none
-    negative; False for anything else, unreadable or missing included (so a damaged one is made again). Whether
-    its entries fit the model, ImatrixFile checks where it is read."""
-    from .sources.gguf_file import read_gguf
+    """Whether `path` holds an imatrix cardfit wrote for `job` (job_key) with sound values (unsound_entry);
+    False for anything else, unreadable or missing included (so a damaged one is made again). Whether its
+    entries fit the model, ImatrixFile checks where it is read."""
+    reader = _cardfit_imatrix(path)
+    if reader is None or str(reader.get_field(JOB_KEY).contents()) != job:
+        return False
+    return unsound_entry({t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}) is None
 
-    if made_for(path) != job:
-        return False
-    try:
-        values = [np.asarray(t.data, dtype=np.float64) for t in read_gguf(path, "GGUF imatrix", "").tensors]
-    except (CardfitError, OSError, ValueError):
-        return False
-    return all(np.isfinite(v).all() and not (v < 0).any() for v in values)
+
+def unsound_entry(tensors: dict[str, np.ndarray]) -> tuple[str, str] | None:
+    """(name, "negative" or "non-finite") of the first entry no imatrix can hold (sums of squares and counts are
+    finite and never negative), or None."""
+    for name, values in tensors.items():
+        if not np.isfinite(values).all():
+            return name, "non-finite"
+        if (values < 0).any():
+            return name, "negative"
+    return None
 
 
 def refuse_output(path: Path, flag: str, replaces: bool = True) -> None:
@@ -189,13 +195,19 @@ def refuse_output(path: Path, flag: str, replaces: bool = True) -> None:
 
 def made_for(path: Path) -> str | None:
     """The job_key an imatrix cardfit wrote at `path` records, else None (no file, unreadable, not cardfit's)."""
+    reader = _cardfit_imatrix(path)
+    return None if reader is None else str(reader.get_field(JOB_KEY).contents())
+
+
+def _cardfit_imatrix(path: Path):
+    """gguf-py's reader of a readable GGUF at `path` that records JOB_KEY, else None."""
     from .sources.gguf_file import read_gguf
 
     if not Path(path).is_file():
         return None
     try:
-        field = read_gguf(path, "GGUF imatrix", "").get_field(JOB_KEY)
-        return None if field is None else str(field.contents())
+        reader = read_gguf(path, "GGUF imatrix", "")
+        return reader if reader.get_field(JOB_KEY) is not None else None
     except (CardfitError, OSError, ValueError):
         return None
 
@@ -240,11 +252,10 @@ class ImatrixFile:
             raise CardfitError(f"{path} is a GGUF file but not an imatrix (general.type is not 'imatrix')",
                                "make one with cardfit imatrix or llama-imatrix --output-format gguf")
         tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
-        for name, values in tensors.items():
-            if not np.isfinite(values).all() or (values < 0).any():
-                raise CardfitError(f"{path}: {name} holds {'negative' if np.isfinite(values).all() else 'non-finite'} "
-                                   "values (sums of squares and counts are finite and never negative)",
-                                   "make the imatrix again with cardfit imatrix")
+        unsound = unsound_entry(tensors)
+        if unsound is not None:
+            raise CardfitError(f"{path}: {unsound[0]} holds {unsound[1]} values (sums of squares and counts are finite "
+                               "and never negative)", "make the imatrix again with cardfit imatrix")
         _refuse_other_depth(path, tensors, gguf_tensor_names(source), source.geometry.num_layers)
         self.means: dict[str, torch.Tensor] = {}
         self.unvisited: list[str] = []  # routed experts' matrices the file has no token for

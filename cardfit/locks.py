@@ -46,36 +46,36 @@ def holding(outputs: dict[str, str | Path | None], command: str):
 @contextmanager
 def _shared(folder: Path, place: Path, flag: str):
     """A shared hold on `folder` for an output inside it; refused while a run holds the folder itself."""
-    handle = open(_lock_file(folder), "a+", encoding="utf-8")
-    try:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another cardfit run"
-            raise CardfitError(f"{flag} {place} lies inside {folder}, which {holder} is writing",
-                               f"wait for that run to finish, or give {flag} a path outside {folder}") from None
+    with _flock(folder, fcntl.LOCK_SH, lambda holder: CardfitError(
+            f"{flag} {place} lies inside {folder}, which {holder} is writing",
+            f"wait for that run to finish, or give {flag} a path outside {folder}")):
         yield
-    finally:
-        handle.close()
 
 
 @contextmanager
 def _held(place: Path, flag: str, command: str):
-    path = _lock_file(place)
-    handle = open(path, "a+", encoding="utf-8")
-    try:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # held whole by another run, or shared by runs writing inside it
-            handle.seek(0)
-            holder = handle.read().strip() or "another cardfit run"
-            raise CardfitError(f"{flag} {place} is being written by {holder} (or a run writing inside it)",
-                               f"wait for that run to finish, or give {flag} another path") from None
+    """The exclusive hold on an output; the lock file then names this run for a refused one's message."""
+    with _flock(place, fcntl.LOCK_EX, lambda holder: CardfitError(
+            f"{flag} {place} is being written by {holder} (or a run writing inside it)",
+            f"wait for that run to finish, or give {flag} another path")) as handle:
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} (cardfit {command})")
         handle.flush()
         yield
+
+
+@contextmanager
+def _flock(place: Path, mode: int, refusal):
+    """`place`'s lock file held in `mode` without waiting, or `refusal(holder)` raised, the holder read from the
+    file (the last exclusive holder's line); closing the file releases the lock."""
+    handle = open(_lock_file(place), "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(handle.fileno(), mode | fcntl.LOCK_NB)
+        except BlockingIOError:  # held whole by another run, or shared by runs writing inside it
+            handle.seek(0)
+            raise refusal(handle.read().strip() or "another cardfit run") from None
+        yield handle
     finally:
-        handle.close()  # closing releases the lock
+        handle.close()
