@@ -30,14 +30,22 @@ from dataclasses import replace
 import numpy as np
 
 
+RESOLUTION = 1e-3  # a measured damage under this share of the map's largest says nothing about the signal
+
+
 def measured_ratios(groups: list[dict], formats: list[str]) -> dict[int, list[float]]:
-    """Group index -> log(exact / signal) of each of its cells measured exactly with both values positive
-    (groups with none left out): what scales the signal, and what its error is measured on."""
+    """Group index -> log(exact / signal) of each of its cells measured exactly, with a positive signal and a
+    damage above RESOLUTION times the largest measured one (groups with none left out): what scales the
+    signal, and what its error is measured on. Under that share a damage cannot move a plan, and may be the
+    engine's arithmetic rather than the format's (a type whose grid the weights already lie on measures ~5e-8
+    nats on the embedded model, whatever its signal): with it, such ratios would swamp the error."""
+    measured = [c["damage"] for g in groups for c in g["cells"].values() if c.get("method") is None]
+    floor = RESOLUTION * max(measured, default=0.0)
     ratios: dict[int, list[float]] = {}
     for i, g in enumerate(groups):
         for f in formats:
             cell = g["cells"].get(f)
-            if cell and cell.get("method") is None and cell["damage"] > 0 and cell.get("signal", 0) > 0:
+            if cell and cell.get("method") is None and cell["damage"] > floor and cell.get("signal", 0) > 0:
                 ratios.setdefault(i, []).append(math.log(cell["damage"] / cell["signal"]))
     return ratios
 

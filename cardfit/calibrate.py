@@ -50,6 +50,34 @@ class LayerCalibration:
         return final_norm_statistics(self.engine, self.hidden, self.methods)
 
 
+def rounding_statistics(source: ModelSource, chunks: torch.Tensor, methods, device: str = "auto", batch: int = 4,
+                        dtype: str = "auto", gpu_memory: int | None = None, record=None) -> dict[str, Calibration]:
+    """Every matrix's rounding statistics for `methods` from one walk of the unquantized model, as the exact
+    scan takes them (measure.Scanner.calibration): each layer's from its reference inputs, an untied output
+    matrix's from the final norm; the embedding has none (a lookup: ggml weighs its columns equally). Small for
+    the imatrix (one vector a matrix); `record` (an imatrix.ImatrixRecord) hears every layer and the head."""
+    from .groups import LM_HEAD
+
+    methods = set(methods) | ({"imatrix"} if record is not None else set())
+    walk = LayerCalibration(source, chunks, methods, device, batch, dtype=dtype, gpu_memory=gpu_memory)
+    out: dict[str, Calibration] = {}
+    try:
+        layers = source.geometry.num_layers
+        for index in range(layers):
+            statistics = walk.statistics(index)
+            if record is not None:
+                record.layer(statistics)
+            out.update(statistics)
+            walk.advance(index)
+        head = walk.head_statistics()
+        if record is not None:
+            record.output(head)
+        out.update({t.name: head for t in source.tensors() if t.group == LM_HEAD and len(t.shape) == 2})
+    finally:
+        walk.engine.close()
+    return out
+
+
 @torch.no_grad()
 def final_norm_statistics(engine, hidden, methods) -> Calibration:
     """The output matrix's statistics: its input is the final norm of the last hidden state (what its

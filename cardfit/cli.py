@@ -450,7 +450,9 @@ def fit_command(
     workers: Optional[int] = typer.Option(None, help="With --ray: sweeps at a time."),
     scan_method: Optional[str] = typer.Option(None, help="adaptive (default): price every type on the target's "
                                               "menu by the fast (Fisher) signal and measure exactly the cells that "
-                                              "could decide the plan at this budget; exact: measure every cell of "
+                                              "could decide the plan at this budget; fast: plan on the Fisher's prices "
+                                              "alone, measuring none (minutes where measuring takes hours); "
+                                              "exact: measure every cell of "
                                               "the default menu and the source's own types (the default with --ray, "
                                               "or where the directory's map was scanned that way)."),
     group_by: Optional[str] = typer.Option(None, help="layer or tensor (default: tensor for a mixture-of-experts "

@@ -182,6 +182,9 @@ def _layer_params(source) -> int:
     return sum(t.numel for t in source.groups()[GroupId.layer_group(0)] if len(t.shape) >= 2)
 
 
+QUANTIZER_ROWS = 256  # rows of the largest matrix each format's quantizer is timed on
+
+
 @torch.no_grad()
 def _unit_seconds(scanner, formats, differs: bool = False) -> dict:
     """Seconds for one layer read, one layer forward over one batch, one head forward over one batch,
@@ -238,7 +241,7 @@ def _unit_seconds(scanner, formats, differs: bool = False) -> dict:
     if scanner.head_in_differences:
         differences["reference_head"] = reference_slice * slices
     largest = max((t for t in source.groups()[group] if len(t.shape) >= 2), key=lambda t: t.numel)
-    weight = source.read(largest.name)
+    weight = source.read(largest.name)[:QUANTIZER_ROWS]  # ggml rounds rows apart: a slice times it per value
     per_param = {}
     for fmt in formats:
         method = fmt.method_for(scanner.rounding)

@@ -282,10 +282,13 @@ def sampled_kl(fisher: torch.Tensor, original: torch.Tensor, storage: str, seed:
 
 
 def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device: str | torch.device = "cpu",
-                 batch: int = 4, done: Callable[[int, dict[str, float]], None] | None = None) -> None:
-    """The predicted KL of every to-do cell (group index, group, format), RTN rounding (a large matrix from a
-    sample of its blocks, sampled_kl): `done(index, {format: nats})` as each group's Fisher becomes final, its tensors read once for all its formats;
-    then the Fisher is dropped. Refuses a group the pass never reached rather than leave holes."""
+                 batch: int = 4, done: Callable[[int, dict[str, float]], None] | None = None,
+                 rounding: str = "rtn", statistics: Callable | None = None) -> None:
+    """The predicted KL of every to-do cell (group index, group, format) under `rounding` (a large matrix from a
+    sample of its blocks or rows, sampled_kl / sampled_rows_kl): `done(index, {format: nats})` as each group's
+    Fisher becomes final, its tensors read once for all its formats; then the Fisher is dropped. `statistics`:
+    tensor -> the Calibration its rounding takes (rounding_statistics), needed for any rounding but RTN.
+    Refuses a group the pass never reached rather than leave holes."""
     from .errors import CardfitError
     from .formats.ggml_lib import over_items
     from .groups import pending_by_group
@@ -298,14 +301,18 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
             damage = dict.fromkeys((f.name for f in formats), 0.0)
             for t in groups[index].quantizable:
                 weight = source.read(t.name)
+                calibration = statistics(t) if statistics is not None else None
                 alike: dict[tuple, list] = {}  # formats that round this tensor the same, priced once
                 for f in formats:
                     if f.storage(t.name, t.shape) != "F32":
-                        alike.setdefault(f.rounding_key(t.name, t.shape, "rtn"), []).append(f)
+                        alike.setdefault(f.rounding_key(t.name, t.shape, rounding), []).append(f)
                 own = source.origin_types().get(t.name)
-                drawn = all(_drawn(same[0], t, weight, own) for same in alike.values())
-                kl = over_items(lambda same: _price(same[0], t, fisher[t.name], weight, own), list(alike.values()),
-                                values_rounded(weight.numel(), drawn))
+                drawn = [_drawn(same[0], t, weight, own, rounding, calibration) for same in alike.values()]
+                rows = any(d and _method(same[0], rounding) != "rtn" for d, same in zip(drawn, alike.values()))
+                guide = row_guide(fisher[t.name], weight) if rows else None  # one per tensor, as the formats share it
+                kl = over_items(lambda same: _price(same[0], t, fisher[t.name], weight, own, rounding, calibration,
+                                                    guide),
+                                list(alike.values()), values_rounded(weight.numel(), all(drawn)))
                 for same, nats in zip(alike.values(), kl):
                     for fmt in same:
                         damage[fmt.name] += nats
@@ -318,16 +325,79 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
                            "scan with --method exact")
 
 
-def _drawn(fmt, tensor, weight: torch.Tensor, own: str | None) -> bool:
-    """Whether `_price` draws this tensor's price from a sample of its blocks."""
+def prices_rounding(formats: list, rounding: str) -> bool:
+    """Whether the Fisher prices `formats` under `rounding`: each rounds with RTN or the imatrix (what a
+    walk's mean x² per column gives; GPTQ and AWQ search against more than that)."""
+    return all(f.method_for(rounding) in ("rtn", "imatrix") for f in formats)
+
+
+def _method(fmt, rounding: str) -> str:
+    """The rounding a format's cell is priced under, as the exact scan rounds it (Scanner.rounded): the scan's,
+    or the format's own where it takes no other (an i-quant's imatrix in an RTN scan)."""
+    return fmt.method_for(rounding)
+
+
+def _drawn(fmt, tensor, weight: torch.Tensor, own: str | None, rounding: str = "rtn", calibration=None) -> bool:
+    """Whether `_price` draws this tensor's price from a sample (of blocks under RTN, of rows otherwise). Not a
+    tensor rounded back onto the grid its source stored it on without statistics: ~0 but in a few blocks, which
+    no sample predicts (with an imatrix the scales are searched again and every row moves)."""
     storage = fmt.storage(tensor.name, tensor.shape)
-    return fmt.method_for("rtn") == "rtn" and storage != own and sampled(storage, weight.numel())
+    method = _method(fmt, rounding)
+    if storage == own and (method == "rtn" or calibration is None):
+        return False
+    if method == "rtn":
+        return sampled(storage, weight.numel())
+    return weight.dim() == 2 and worth_sampling(weight.numel()) and fmt.rows_apart(method)
 
 
-def _price(fmt, tensor, fisher: torch.Tensor, weight: torch.Tensor, own: str | None = None) -> float:
-    """One tensor's predicted KL under one format, RTN: a large matrix from a sample of its blocks
-    (sampled_kl), anything else, and a tensor rounded back onto `own` (the grid its source stored it on:
-    ~0 but in a few blocks, which no sample predicts), from its whole round trip."""
-    if _drawn(fmt, tensor, weight, own):
-        return sampled_kl(fisher, weight, fmt.storage(tensor.name, tensor.shape))
-    return predicted_kl(fisher, weight, fmt.roundtrip(tensor.name, weight, None, "rtn"))
+def _price(fmt, tensor, fisher: torch.Tensor, weight: torch.Tensor, own: str | None = None, rounding: str = "rtn",
+           calibration=None, guide: torch.Tensor | None = None) -> float:
+    """One tensor's predicted KL under one format and rounding: a large matrix from a sample of its blocks
+    (RTN, sampled_kl) or rows (a rounding with statistics, sampled_rows_kl), anything else, and a tensor rounded
+    back onto `own` (the grid its source stored it on: ~0 but in a few blocks, which no sample predicts), from
+    its whole round trip."""
+    method = _method(fmt, rounding)
+    if _drawn(fmt, tensor, weight, own, rounding, calibration):
+        if method == "rtn":
+            return sampled_kl(fisher, weight, fmt.storage(tensor.name, tensor.shape))
+        return sampled_rows_kl(fisher, weight, lambda rows: fmt.roundtrip(tensor.name, rows, calibration, method),
+                               guide=guide)
+    return predicted_kl(fisher, weight, fmt.roundtrip(tensor.name, weight, calibration, method))
+
+
+def row_guide(fisher: torch.Tensor, original: torch.Tensor) -> torch.Tensor | None:
+    """Each row's expected price on a scaled grid (expected_prices summed along the row), what sampled_rows_kl
+    draws by; None for rows no i-quant scale divides (such a matrix is priced whole)."""
+    from .formats.gguf_formats import GGML_BLOCKS
+
+    matrix = original.reshape(-1, original.shape[-1])
+    if matrix.shape[1] % GGML_BLOCKS["IQ4_NL"][0]:
+        return None
+    return expected_prices(fisher.reshape(matrix.shape), matrix, matrix.shape[1])
+
+
+def sampled_rows_kl(fisher: torch.Tensor, original: torch.Tensor, roundtrip: Callable[[torch.Tensor], torch.Tensor],
+                    seed: int = 0, guide: torch.Tensor | None = None) -> float:
+    """½ Σ F δw² of a matrix whose rounding treats each row apart (Format.rows_apart), from `roundtrip` of a
+    sample of its rows drawn by their expected price (row_guide, given where already made), whole where the
+    sample cannot decide (sampling.sampled_or_whole). Rows whose Fisher is all zero cost exactly nothing and are
+    never rounded (an embedding's rows of tokens the calibration text never holds: most of a large vocabulary)."""
+    matrix = original.reshape(-1, original.shape[-1])
+    weights = fisher.reshape(matrix.shape)
+    guide = row_guide(weights, matrix) if guide is None else guide
+    live = weights.ne(0).any(1)
+    if not bool(live.all()):
+        matrix, weights = matrix[live], weights[live]
+        guide = None if guide is None else guide[live]
+        if len(matrix) == 0:
+            return 0.0
+    if guide is None or not worth_sampling(matrix.numel()):  # what is left is small: priced whole
+        return predicted_kl(weights, matrix, roundtrip(matrix))
+
+    def price(taken: torch.Tensor) -> torch.Tensor:
+        picked = matrix[taken]
+        squared = (roundtrip(picked).to(torch.float32) - picked.to(torch.float32)).square_()
+        return 0.5 * (weights[taken] * squared).sum(1, dtype=torch.float64)
+
+    return sampled_or_whole(guide, price, units_wanted(len(guide), matrix.shape[1]),
+                            lambda: predicted_kl(weights, matrix, roundtrip(matrix)), seed)

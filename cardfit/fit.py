@@ -45,15 +45,18 @@ def _say(log, text: str) -> None:
         log(text)
 
 
+SCAN_METHODS = ("adaptive", "fast", "exact")  # fit's --scan-method, its default first
+
+
 def scan_menu(target, source, tensor_budget: int, method: str = "exact") -> str:
     """fit's scan formats. Exact: the target's default menu plus the quantized types the source itself
     stores (re-quantizing a tensor onto its own grid costs ~0, every other type far more; the embedded
-    model's Q4_1 layers are the case). Adaptive: the target's whole menu. Either way the low-bit ladder too
+    model's Q4_1 layers are the case). Adaptive and fast: the target's whole menu. Either way the low-bit ladder too
     when the tensors cannot fit `tensor_budget` without it (a 32B on a 12 GB card)."""
     from .formats import get_format, parse_formats
     from .sizes import priced_tensors
 
-    if method == "adaptive":
+    if method in ("adaptive", "fast"):
         names = (target.whole_menu or target.default_scan_formats).split(",")
     else:
         names = target.default_scan_formats.split(",")
@@ -67,16 +70,18 @@ def scan_menu(target, source, tensor_budget: int, method: str = "exact") -> str:
     return ",".join(names)
 
 
-def _scanned(path: Path) -> tuple[str | None, str | None]:
-    """The scan method and rounding of a fit directory's map, so a rerun resumes it as it was begun (None: no
-    readable map or value; scan itself then refuses or starts one)."""
+def _scanned(path: Path) -> tuple[str | None, str | None, str | None]:
+    """The scan method, rounding and adaptive signal of a fit directory's map, so a rerun resumes it as it was
+    begun (None: no readable map or value; scan itself then refuses or starts one)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         method, rounding = data["damage"]["method"], data.get("rounding")
+        adaptive = data.get("adaptive")
+        signal = adaptive.get("signal", "weight") if isinstance(adaptive, dict) else None  # maps before the key
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return None, None
-    method = next((m for m in ("exact", "adaptive") if isinstance(method, str) and method.startswith(m)), None)
-    return method, rounding if isinstance(rounding, str) else None
+        return None, None, None
+    method = next((m for m in SCAN_METHODS if isinstance(method, str) and method.startswith(m)), None)
+    return method, rounding if isinstance(rounding, str) else None, signal if isinstance(signal, str) else None
 
 
 def parse_sizes(sizes: str | list[int]) -> list[tuple[str, int]]:
@@ -123,7 +128,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         sizes: str | list[int] | None = None) -> dict:
     """Budget -> scan -> plan -> pack -> check for `model` on a `vram` ceiling; returns the run's summary.
     `scan_method` "adaptive" (the default) prices the target's whole menu by the fast (Fisher) signal and
-    measures exactly the cells that decide the plan at this budget; "exact" measures every cell of the
+    measures exactly the cells that decide the plan at this budget; "fast" plans on the Fisher's prices alone
+    (no cell measured: minutes on a model where measuring takes hours); "exact" measures every cell of the
     target's default menu and the source's own types (the default with `ray`, and for a directory whose
     map was scanned that way). With `ray`, the scan's group sweeps run on that Ray cluster
     (cluster.py), exactly; the rest stays here. `group_by` None: per tensor for a mixture-of-experts model
@@ -138,18 +144,18 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     from .pack import refuse_unpackable, reserve_bytes
     from .paths import guard_output, input_paths, model_paths, work_directory
     from .plots import plot_sensitivity
-    from .scan import ROUNDINGS, scan
+    from .scan import ROUNDINGS, SIGNALS, scan
     from .sources import open_model, runnable
     from .targets import all_targets, for_artifact
 
-    begun_method, begun_rounding = _scanned(Path(out) / "sensitivity.json")
+    begun_method, begun_rounding, begun_signal = _scanned(Path(out) / "sensitivity.json")
     if scan_method is None:
         scan_method = begun_method or ("exact" if ray is not None else "adaptive")
-    if scan_method not in ("adaptive", "exact"):
-        raise CardfitError(f"unknown --scan-method '{scan_method}'", "use --scan-method exact or adaptive")
+    if scan_method not in SCAN_METHODS:
+        raise CardfitError(f"unknown --scan-method '{scan_method}'", "use --scan-method " + ", ".join(SCAN_METHODS))
     if group_by not in (None, "layer", "tensor"):
         raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
-    if ray is not None and scan_method == "adaptive":
+    if ray is not None and scan_method != "exact":
         raise CardfitError("--ray spreads the exact scan's group sweeps", "drop --ray, or use --scan-method exact")
     if ray is None and workers is not None:
         raise CardfitError("--workers spreads the scan over Ray", "add --ray (local, auto or ADDRESS)")
@@ -221,7 +227,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
                            resume=True, device=device, seq_len=seq_len, progress=progress,
                            log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
                            method=scan_method, weight_budgets=budgets if scan_method == "adaptive" else None,
-                           rounding=rounding, imatrix_out=imatrix)
+                           rounding=rounding, imatrix_out=imatrix,
+                           signal=begun_signal if scan_method == "adaptive" and begun_signal in SIGNALS else None)
         for warning in sensitivity["warnings"]:
             _say(log, f"warning: {warning}")
         plot_sensitivity(sensitivity, out / "sensitivity.png")
@@ -405,12 +412,16 @@ def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dic
              "| group | stored as | bytes | predicted damage | " + " | ".join(f"damage @ {f}" for f in formats) + " |",
              "|---|---|---|---|" + "---|" * len(formats)]
     cells = {g["name"]: g["cells"] for g in sensitivity["groups"]}
-    if any(c.get("method") == "estimate" for group in cells.values() for c in group.values()):
+    fisher_only = str(sensitivity["damage"].get("method", "")).startswith("fast")
+    if fisher_only:
+        lines[-2:-2] = ["`~`: every damage is the streamed Fisher's estimate (`--scan-method fast`): no cell was "
+                        "measured; the check below measures the artifact itself.", ""]
+    elif any(c.get("method") == "estimate" for group in cells.values() for c in group.values()):
         signal = sensitivity.get("adaptive", {}).get("signal", "weight")
         lines[-2:-2] = [f"`~`: estimated from the {signal} signal (adaptive scan), not measured; every cell that "
                         "could decide the plan at this budget was measured.", ""]
     for g in recipe["groups"]:
-        row = " | ".join(("~" if cells[g["name"]][f].get("method") == "estimate" else "")
+        row = " | ".join(("~" if fisher_only or cells[g["name"]][f].get("method") == "estimate" else "")
                          + f"{cells[g['name']][f]['damage']:.5f}" for f in formats)
         stored = " + ".join(stored_types(g))
         lines.append(f"| {g['name']} | {stored} | {format_bytes(g['bytes'])} | {g['damage']:.5f} | {row} |")

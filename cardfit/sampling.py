@@ -63,14 +63,23 @@ def sampled_total(guide: torch.Tensor, price: Callable[[torch.Tensor], torch.Ten
 
 
 MAX_RELATIVE_ERROR = 0.02  # a sampled price whose standard error is larger than this share is priced whole
+EARLY = 4  # a first draw of a quarter of the sample, which alone prices the matrix where it decides the sum
 
 
 def sampled_or_whole(guide: torch.Tensor, price: Callable[[torch.Tensor], torch.Tensor], wanted: int,
                      whole: Callable[[], float], seed: int = 0) -> float:
-    """sampled_total's estimate, or `whole()` where the sample cannot decide the sum to MAX_RELATIVE_ERROR. The
-    stated error comes from the drawn units alone: a matrix whose error sits in a few units the guide does not
-    predict, none of them drawn, states a small one (callers price such matrices whole on their own rule: a
-    tensor rounded back onto the grid its source stored it on)."""
+    """sampled_total's estimate from a first draw of `wanted // EARLY` units where that decides the sum to
+    MAX_RELATIVE_ERROR (and is not zero), else from `wanted` units where that does, else `whole()`. The stated
+    error comes from
+    the drawn units alone: a matrix whose error sits in a few units the guide does not predict, none of them
+    drawn, states a small one (callers price such matrices whole on their own rule: a tensor rounded back onto
+    the grid its source stored it on). The first draw is what makes the expensive types cheap: on
+    qwen2.5-coder-1.5b's matrices IQ2_S's price from a sixty-fourth of the rows states about 1 %."""
+    early = wanted // EARLY
+    if 0 < early < wanted:
+        estimate, error = sampled_total(guide, price, early, seed)
+        if estimate > 0 and error <= MAX_RELATIVE_ERROR * estimate:  # nothing at all: let more units look
+            return estimate
     estimate, error = sampled_total(guide, price, wanted, seed)
     return whole() if error > MAX_RELATIVE_ERROR * abs(estimate) else estimate
 

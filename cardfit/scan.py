@@ -21,6 +21,7 @@ from .activations import ActivationCache
 from .atomic import write_json
 from .engine import resolve_compute, resolve_device, resolve_dtype
 from .errors import CardfitError
+from .fisher import prices_rounding
 from .formats import Format, parse_formats
 from .groups import Group, pending_by_group, scan_groups
 from .heap import map_large_blocks, return_freed_memory
@@ -107,8 +108,6 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
 
     if method not in METHODS:
         raise CardfitError(f"unknown --method '{method}'", "use --method " + ", ".join(METHODS))
-    if method == "fast" and rounding != "rtn":
-        raise CardfitError("the fast estimator prices RTN rounding only", "use --rounding rtn with --method fast")
     if rounding not in ROUNDINGS:
         raise CardfitError(f"unknown rounding '{rounding}'", "use " + ", ".join(ROUNDINGS))
     if ray is None and (workers is not None or shared_dir is not None):
@@ -119,14 +118,8 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     if signal is not None and method != "adaptive":
         raise CardfitError("--signal chooses what prices an adaptive scan's unmeasured cells",
                            "add --method adaptive, or drop --signal")
-    if method == "adaptive":
-        if signal is None:
-            signal = "fast" if rounding == "rtn" else "weight"
-        if signal not in SIGNALS:
-            raise CardfitError(f"unknown --signal '{signal}'", "use --signal " + " or ".join(SIGNALS))
-        if signal == "fast" and rounding != "rtn":
-            raise CardfitError("the fast signal prices RTN rounding only", "use --signal weight with --rounding "
-                               + rounding)
+    if method == "adaptive" and signal is not None and signal not in SIGNALS:
+        raise CardfitError(f"unknown --signal '{signal}'", "use --signal " + " or ".join(SIGNALS))
     if estimate and method in ("fast", "weight", "adaptive"):
         raise CardfitError("--estimate prices the exact scan", "drop --estimate, or use --method exact")
     if ray is not None and method != "exact":
@@ -145,6 +138,11 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     resolve_dtype(dtype)
     compute = resolve_compute(dtype, resolve_device(device)[0]) if method in ("exact", "adaptive") else "float32"
     fmts = parse_formats(formats)
+    if method == "adaptive" and signal is None:
+        signal = "fast" if prices_rounding(fmts, rounding) else "weight"
+    if "fast" in (method, signal) and not prices_rounding(fmts, rounding):
+        raise CardfitError(f"the fast (Fisher) signal prices RTN and imatrix rounding, not {rounding}",
+                           "use --signal weight" if method == "adaptive" else "use --method weight or exact")
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
     if imatrix_out is not None:
@@ -203,7 +201,8 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     if not todo and result.get("complete"):
         return {"estimate": None} if estimate else result  # a finished map of this very job: nothing to measure
     if method == "fast":
-        return _fast_cells(source, chunks, groups, todo, fmts, result, out, str(resolve_device(device)[0]), batch)
+        return _fast_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype, gpu_memory,
+                           log, record, imatrix_out)
     if method == "weight":
         return _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype,
                              gpu_memory, progress, record, imatrix_out)
@@ -307,16 +306,22 @@ def _progress(enabled: bool, total: int, done: int):
     return tqdm(total=total, initial=done, unit="cell", dynamic_ncols=True, disable=None)
 
 
-def _fast_cells(source, chunks, groups, todo, fmts, result, out, device, batch) -> dict:
+def _fast_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype, gpu_memory, log,
+                record=None, imatrix_out=None) -> dict:
     """Every cell from one streamed Fisher estimate (fisher.py): ½ Σ F δw² over the group's tensors, no
     model runs per cell."""
     from .fisher import fisher_cells
 
+    clock = PricingClock(groups, todo, log)
+
     def done(index: int, priced: dict) -> None:
+        clock.priced(index)
         result["groups"][index]["cells"].update({name: {"damage": damage, "stderr": None, "top1": None}
                                                  for name, damage in priced.items()})
 
-    fisher_cells(source, chunks, groups, todo, device, batch, done)
+    statistics = _fisher_statistics(source, chunks, [f for _, _, f in todo], rounding, device, batch, dtype,
+                                    gpu_memory, log, record, imatrix_out)
+    fisher_cells(source, chunks, groups, todo, str(resolve_device(device)[0]), batch, done, rounding, statistics)
     for entry in result["groups"]:
         entry["cells"] = in_map_order(entry["cells"], fmts)
     result["separable_fraction"] = None
@@ -354,6 +359,21 @@ def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, dev
     return result
 
 
+def _fisher_statistics(source, chunks, fmts, rounding, device, batch, dtype, gpu_memory, log, record, imatrix_out):
+    """tensor -> the Calibration the Fisher's cells round with (calibrate.rounding_statistics), from one walk
+    that also records the imatrix when asked; None where every format rounds with RTN (no walk)."""
+    from .calibrate import rounding_statistics
+
+    methods = {f.method_for(rounding) for f in fmts} - {"rtn"}
+    if not methods:
+        return None
+    if log:
+        log(f"collecting the {'/'.join(sorted(methods))} statistics the Fisher's cells round with (one walk)")
+    statistics = rounding_statistics(source, chunks, methods, device, batch, dtype, gpu_memory, record)
+    _keep_imatrix(record, imatrix_out)
+    return lambda tensor: statistics.get(tensor.name)
+
+
 def _keep_imatrix(record, imatrix_out) -> None:
     """Write the imatrix a pricing walk recorded, if it walked the whole model."""
     if record is not None and record.whole():
@@ -361,9 +381,10 @@ def _keep_imatrix(record, imatrix_out) -> None:
 
 
 class PricingClock:
-    """Says, after the first group and then at each further quarter of the work, how long a cheap signal's
-    pricing has taken and about how long the rest will: work counted as a group's values times its formats
-    to price."""
+    """Says, when the first group is priced and then at each further quarter of the work, how long a cheap
+    signal's pricing has taken and about how long the rest will: work counted as a group's values times its
+    formats to price, its pace taken from the groups after the first (what comes before the first, a walk or
+    the Fisher's forward pass, is paid once)."""
 
     def __init__(self, groups: list[Group], todo: list, log, clock=time.perf_counter):
         self.time, self.log = clock, log
@@ -373,15 +394,39 @@ class PricingClock:
         self.work = {i: n * sum(math.prod(t.shape) for t in groups[i].quantizable) for i, n in formats.items()}
         self.total, self.done, self.said = max(sum(self.work.values()), 1), 0, 0.0
         self.began = self.time()
+        self.first: tuple[float, int] | None = None  # (when, work done) at the first group priced
 
     def priced(self, index: int) -> None:
         self.done += self.work.pop(index, 0)
         share = self.done / self.total
-        if self.log and self.done and share < 1 and (self.said == 0 or share >= self.said + 0.25):
-            elapsed = self.time() - self.began
-            left = elapsed * (1 - share) / share
-            self.log(f"priced {share:.0%} of the cells' work in {elapsed:.0f} s: about {left / 60:.1f} minutes left")
+        if not self.log or not self.done or share >= 1:
+            return
+        now = self.time()
+        if self.first is None:
+            self.first, self.said = (now, self.done), share
+            self.log(f"priced {share:.0%} of the cells' work in {now - self.began:.0f} s")
+        elif share >= self.said + 0.25:
+            pace = (now - self.first[0]) / (self.done - self.first[1])
+            self.log(f"priced {share:.0%} of the cells' work in {now - self.began:.0f} s: about "
+                     f"{pace * (self.total - self.done) / 60:.1f} minutes left")
             self.said = share
+
+
+def _say_round_time(scanner, groups, todo: dict[int, list[str]], by_name: dict, fmts, units, with_reference: bool,
+                    log) -> dict:
+    """Say about how long an adaptive round's exact cells will take (estimate.estimate_scan of those cells, the
+    reference pass only before the first round); returns the unit times, measured for every format on the
+    first call and reused."""
+    from .estimate import estimate_scan
+    from .measure import copy_bytes
+
+    cells = [(i, groups[i], by_name[name]) for i, names in todo.items() for name in names]
+    guess = estimate_scan(scanner, groups, cells, max(copy_bytes(g) for g in groups), fmts, units=units,
+                          windows=True)
+    seconds = guess.seconds - (0.0 if with_reference else guess.reference_seconds)
+    when = f"about {seconds / 60:.0f} minutes" if seconds >= 120 else f"about {seconds:.0f} seconds"
+    log(f"  {when} on this device" + (", the reference pass included" if with_reference else ""))
+    return guess.unit_seconds
 
 
 def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory, memory_cap,
@@ -424,7 +469,10 @@ def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device,
         if log:
             log(f"pricing {len(unsigned)} cells by the {signal} signal")
         if signal == "fast":
-            fisher_cells(source, chunks, groups, unsigned, str(resolve_device(device)[0]), batch, signed)
+            statistics = _fisher_statistics(source, chunks, fmts, rounding, device, batch, dtype, gpu_memory, log,
+                                            record, imatrix_out)
+            fisher_cells(source, chunks, groups, unsigned, str(resolve_device(device)[0]), batch, signed, rounding,
+                         statistics)
         else:
             weight_cells(source, chunks, groups, unsigned, rounding, device, batch, dtype, gpu_memory, done=signed,
                          record=record)
@@ -436,9 +484,12 @@ def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device,
     by_name = {f.name: f for f in fmts}
     track_bytes = ROUND_TRACK_BYTES if memory_cap is None else memory_cap // 4
     reference = None
+    units = None  # this device's unit times (estimate.py), measured before the first round
 
     def measure(todo: dict[int, list[str]]) -> None:
-        nonlocal reference
+        nonlocal reference, units
+        if log:
+            units = _say_round_time(scanner, groups, todo, by_name, fmts, units, reference is None, log)
         if reference is None:
             reference = scanner.reference()
             result["reference"] = {"perplexity": round(reference.perplexity, 6)}

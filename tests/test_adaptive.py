@@ -29,6 +29,21 @@ def test_signal_error_is_the_leave_one_out_log_error_of_the_scaled_estimate():
     assert estimates[(1, "B")] == pytest.approx(math.exp(0.3))
 
 
+def test_cells_under_the_engine_s_resolution_neither_scale_nor_judge_the_signal():
+    """A measured damage under RESOLUTION of the largest (a format on the grid the weights already lie on) may be
+    arithmetic: with
+    it the error would be dominated by a ratio that says nothing of the signal; without it the group's scale and
+    the error come from the cells that carry damage."""
+    from cardfit.adaptive import RESOLUTION
+
+    tiny = RESOLUTION / 10 * 3.0  # under the share of the largest measured damage (group b's 3.0)
+    groups = [{"cells": {"A": cell(math.exp(0.1), 1.0, True), "B": cell(2 * math.exp(-0.1), 2.0, True),
+                         "C": cell(tiny, tiny / 20, True), "D": cell(4.0, 4.0, False)}},
+              {"cells": {"A": cell(3.0, 3.0, True)}}]
+    assert signal_error(groups, list("ABCD")) == pytest.approx(math.sqrt((0.2 ** 2 + 0.2 ** 2 + 0.0) / 3))
+    assert scaled_estimates(groups, list("ABCD"))[(0, "D")] == pytest.approx(4.0)
+
+
 def problem(damage) -> Problem:
     """Three groups, formats big (2 bytes) and small (1 byte)."""
     damage = np.array(damage, dtype=float)
@@ -103,8 +118,9 @@ def test_the_dual_bound_prunes_only_cells_the_plan_would_not_take(monkeypatch):
 
 
 def test_the_pricing_clock_says_what_is_left_by_the_work_done():
-    """After the first group and each further quarter: the share of the work (values x formats), the time
-    taken and the rest at that pace; nothing once all is priced."""
+    """At the first group and each further quarter: the share of the work (values x formats) and the time
+    taken, then the rest at the pace since the first group (what came before it is paid once); nothing once all
+    is priced."""
     from types import SimpleNamespace
 
     from cardfit.groups import Group
@@ -121,10 +137,18 @@ def test_the_pricing_clock_says_what_is_left_by_the_work_done():
     clock.priced(1)  # 2 x 100 of 1,500 values x formats: the first group, said
     clock.priced(0)  # 1,200 of 1,500: a quarter more, said
     clock.priced(2)  # all: nothing left to say
-    assert said == ["priced 13% of the cells' work in 10 s: about 1.1 minutes left",
+    assert said == ["priced 13% of the cells' work in 10 s",
                     "priced 80% of the cells' work in 20 s: about 0.1 minutes left"]
     said.clear()
     clock = PricingClock(groups, todo, said.append, clock=lambda: 1.0)
     clock.priced(2)
     clock.priced(1)  # 500 of 1,500 after 300: under a quarter more, not said
     assert len(said) == 1
+    said.clear()
+    now = iter([0.0, 100.0, 1100.0])  # a 100-second walk, then 1,000 values x formats in 1,000 s
+    clock = PricingClock(groups, [(0, groups[0], "A"), (2, groups[2], "A"), (1, groups[1], "A")], said.append,
+                         clock=lambda: next(now))
+    clock.priced(2)  # 300 of 1,400
+    clock.priced(0)  # 1,300: 1,000 more in 1,000 s, so the last 100 take 100 s (not 1,100 s x 100 / 1,300)
+    assert said == ["priced 21% of the cells' work in 100 s",
+                    "priced 93% of the cells' work in 1100 s: about 1.7 minutes left"]

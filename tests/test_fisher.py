@@ -145,6 +145,7 @@ def test_a_sample_of_every_block_is_the_whole_price(monkeypatch):
 
     weight, fisher = _heavy_matrix(256, 1024)
     monkeypatch.setattr(sampling, "SAMPLE_SHARE", 1)
+    monkeypatch.setattr(sampling, "EARLY", 1)  # no first draw: every block
     whole = predicted_kl(fisher, weight, ggml_roundtrip("IQ4_NL", weight))
     assert sampled_kl(fisher, weight, "IQ4_NL") == pytest.approx(whole, rel=1e-4)  # the whole's float32 dot
 
@@ -161,6 +162,7 @@ def test_a_sixteenth_of_the_blocks_prices_the_matrix_within_a_few_percent(storag
     weight, fisher = _heavy_matrix(1024, 2048)
     monkeypatch.setattr(sampling, "MAX_RELATIVE_ERROR", float("inf"))  # never the whole: the sample alone
     monkeypatch.setattr(sampling, "SAMPLE_FLOOR", 1 << 14)  # so 1/16 of this matrix is what is drawn
+    monkeypatch.setattr(sampling, "EARLY", 1)  # and that sample, not a quarter of it
     whole = predicted_kl(fisher, weight, ggml_roundtrip(storage, weight))
     estimates = [sampled_kl(fisher, weight, storage, seed=seed) for seed in range(4)]
     assert all(abs(e / whole - 1) < 0.05 for e in estimates), (whole, estimates)
@@ -195,3 +197,91 @@ def test_the_fast_scan_prices_large_matrices_from_a_sample(tiny_model, tmp_path,
     for w, d in zip(whole["groups"], drawn["groups"]):
         for f in ("Q8_0", "IQ4_NL", "Q4_0"):
             assert d["cells"][f]["damage"] == pytest.approx(w["cells"][f]["damage"], rel=0.1), (w["name"], f)
+
+
+def test_a_sample_of_every_row_is_the_whole_price_under_an_imatrix(monkeypatch):
+    """A rounding with statistics treats each row apart, so its price comes from a sample of rows: drawing
+    every row gives the whole round trip's price; the default draw (a quarter of these 1,024 rows, the
+    floor's 2^18 values) stays within 5 % under several seeds."""
+    from cardfit import sampling
+    from cardfit.fisher import predicted_kl, sampled_rows_kl
+    from cardfit.formats import parse_formats
+    from cardfit.formats.base import Calibration
+
+    weight, fisher = _heavy_matrix(1024, 1024)
+    calibration = Calibration(imatrix=torch.rand(1024, generator=torch.Generator().manual_seed(1)) ** 4 + 1e-3)
+    fmt = parse_formats("IQ3_XXS")[0]
+
+    def roundtrip(rows):
+        return fmt.roundtrip("blk.0.ffn_down.weight", rows, calibration, "imatrix")
+
+    whole = predicted_kl(fisher, weight, roundtrip(weight))
+    monkeypatch.setattr(sampling, "SAMPLE_SHARE", 1)
+    monkeypatch.setattr(sampling, "EARLY", 1)
+    assert sampled_rows_kl(fisher, weight, roundtrip) == pytest.approx(whole, rel=1e-4)
+    monkeypatch.setattr(sampling, "SAMPLE_SHARE", 16)
+    monkeypatch.setattr(sampling, "MAX_RELATIVE_ERROR", float("inf"))  # never the whole: the sample alone
+    estimates = [sampled_rows_kl(fisher, weight, roundtrip, seed=seed) for seed in range(3)]
+    assert all(abs(e / whole - 1) < 0.05 for e in estimates), (whole, estimates)
+
+
+def test_the_fast_scan_prices_imatrix_rounding_with_the_walk_s_statistics(tiny_model, tmp_path):
+    """--method fast --rounding imatrix: each cell is ½ Σ F δw² of the matrix rounded with the importance
+    matrix a walk of the same tokens gives (the same one `--imatrix-out` writes, which equals `cardfit
+    imatrix`'s), not RTN's; an i-quant that cannot round without one is priced in an RTN scan too."""
+    import gguf
+
+    from cardfit.calibrate import rounding_statistics
+    from cardfit.fisher import predicted_kl, streamed_fisher
+    from cardfit.formats import parse_formats
+    from cardfit.imatrix import collect_imatrix
+    from cardfit.scan import scan
+    from cardfit.sources import runnable
+    from cardfit.text import load_tokenizer
+
+    model_dir, text = tiny_model("llama"), small_text(tmp_path)
+    common = dict(max_tokens=128, formats="Q4_0,Q2_K,IQ2_XXS", seq_len=32, progress=False, device="cpu",
+                  method="fast")
+    rtn = scan(model_dir, text, out=tmp_path / "rtn.json", **common)
+    made = scan(model_dir, text, out=tmp_path / "imatrix.json", rounding="imatrix",
+                imatrix_out=tmp_path / "scan.gguf", **common)
+    source = runnable(open_model(model_dir))
+    chunks = token_chunks(load_tokenizer(str(source.path)), text.read_text(), 32, 128)
+    statistics = rounding_statistics(source, chunks, {"imatrix"}, "cpu")
+    fisher = {}
+    streamed_fisher(source, chunks, fisher.update)
+    name = "model.layers.1.mlp.down_proj.weight"
+    layer = next(g for g in made["groups"] if name in g["tensors"])
+    for f in ("Q4_0", "Q2_K"):
+        fmt = parse_formats(f)[0]
+        want = sum(predicted_kl(fisher[t], source.read(t), fmt.roundtrip(t, source.read(t), statistics[t], "imatrix"))
+                   for t in layer["tensors"] if t in statistics)
+        assert layer["cells"][f]["damage"] == pytest.approx(want, rel=1e-5)
+        rtn_cell = next(g for g in rtn["groups"] if g["name"] == layer["name"])["cells"][f]
+        assert layer["cells"][f]["damage"] != rtn_cell["damage"]
+    assert all(c["damage"] > 0 for g in rtn["groups"] if g["name"] != "norm"
+               for c in g["cells"].values())  # IQ2_XXS priced in RTN too
+    collect_imatrix(model_dir, text, 128, 32, tmp_path / "own.gguf", device="cpu", progress=False)
+    ours, theirs = (gguf.GGUFReader(str(tmp_path / p)) for p in ("scan.gguf", "own.gguf"))
+    assert {t.name: t.data.tobytes() for t in ours.tensors} == {t.name: t.data.tobytes() for t in theirs.tensors}
+
+
+def test_rows_without_fisher_are_never_rounded():
+    """An embedding's rows of tokens the calibration never holds have zero Fisher: they cost nothing, so only
+    the other rows are rounded, and the price is the whole matrix's."""
+    from cardfit.fisher import predicted_kl, sampled_rows_kl
+    from cardfit.formats import parse_formats
+
+    weight, fisher = _heavy_matrix(4096, 256)
+    fisher[torch.arange(4096) % 50 != 0] = 0  # one row in fifty was seen
+    fmt = parse_formats("Q4_0")[0]
+    rounded = []
+
+    def roundtrip(rows):
+        rounded.append(len(rows))
+        return fmt.roundtrip("token_embd.weight", rows, None, "rtn")
+
+    whole = predicted_kl(fisher, weight, fmt.roundtrip("token_embd.weight", weight, None, "rtn"))
+    assert sampled_rows_kl(fisher, weight, roundtrip) == pytest.approx(whole, rel=1e-5)
+    assert rounded and max(rounded) <= 4096 // 50 + 1
+    assert sampled_rows_kl(torch.zeros_like(fisher), weight, roundtrip) == 0.0

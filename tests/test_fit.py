@@ -294,3 +294,32 @@ def test_fit_owns_its_imatrix_file(tiny_models, tmp_path, unsmoked):
     (out / "imatrix.gguf").mkdir()
     with pytest.raises(CardfitError, match="is a directory, where fit writes its importance matrix"):
         fit(model, **kwargs)
+
+
+def test_fit_scan_method_fast_plans_on_the_fisher_alone(tiny_models, tmp_path, monkeypatch, unsmoked):
+    """`fit --scan-method fast --method imatrix --size A,B`: the whole menu priced by the Fisher under imatrix
+    rounding, no cell measured, the walk's imatrix packs both sizes, each file no larger than its size; a rerun
+    keeps the map as begun."""
+    from cardfit import measure
+    from cardfit.fit import fit
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a cell measured")
+
+    monkeypatch.setattr(measure, "measure_round", no_measuring)
+    monkeypatch.setattr(measure.Scanner, "reference", no_measuring)
+    model, sizes = _tiny_sizes(tiny_models)
+    out = tmp_path / "run"
+    kwargs = dict(sizes=f"{sizes[0]},{sizes[1]}", out=out, max_tokens=128, seq_len=32, progress=False, device="cpu",
+                  method="imatrix", formats="Q8_0,Q4_0,IQ4_XS,Q2_K")
+    summary = fit(model, log=None, scan_method="fast", **kwargs)
+    scanned = json.loads((out / "sensitivity.json").read_text())
+    assert scanned["damage"]["method"].startswith("fast") and scanned["rounding"] == "imatrix"
+    assert (out / "imatrix.gguf").is_file()
+    assert [r["pack"]["method"] for r in summary["sizes"]] == ["imatrix", "imatrix"]
+    assert all(row["pack"]["file_bytes"] <= row["size_bytes"] for row in summary["sizes"])
+    report = (Path(summary["sizes"][0]["out"]) / "report.md").read_text()
+    assert "no cell was measured" in report and "| ~" in report
+    said = []
+    fit(model, log=said.append, **kwargs)  # no --scan-method: resumed as begun
+    assert any("== 2. scan (fast" in line for line in said)

@@ -1,6 +1,7 @@
 """The weight signal (scan --method weight): imatrix-weighted squared weight error, one layer walk."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -135,9 +136,14 @@ def test_adaptive_recipe_equals_the_exact_recipe_at_the_budgets_asked(tiny_model
     fmts = exact["formats"]
     sizes = [sum(g["bytes"][f] for g in exact["groups"]) for f in fmts]
     budgets = [reserve + int(sizes[-1] + (sizes[0] - sizes[-1]) * share) for share in (0.3, 0.7)]
+    said = []
     adaptive = run_scan(tiny_models[kind], text, tmp_path / "adaptive.json", formats=",".join(fmts),
-                        method="adaptive", weight_budgets=budgets, signal=signal)
+                        method="adaptive", weight_budgets=budgets, signal=signal, log=said.append)
     assert adaptive["adaptive"]["signal"] == signal
+    rounds = [k for k, line in enumerate(said) if line.startswith("adaptive round ")]
+    assert rounds and all(re.fullmatch(r"  about \d+ (seconds|minutes) on this device"
+                                       + (", the reference pass included" if n == 0 else ""), said[k + 1])
+                          for n, k in enumerate(rounds))  # each round's time said before it is measured
     with pytest.raises(CardfitError, match=f"priced by the {signal} signal"):  # never a map of two signals
         run_scan(tiny_models[kind], text, tmp_path / "adaptive.json", formats=",".join(fmts), method="adaptive",
                  weight_budgets=budgets, signal={"fast": "weight", "weight": "fast"}[signal], resume=True)
@@ -167,13 +173,15 @@ def test_adaptive_needs_budgets(tiny_models, tmp_path, run_cli):
     assert code == 2 and "minimum achievable" in err and not (tmp_path / "m.json").exists()
 
 
-def test_the_signal_is_an_adaptive_scan_s_and_the_fisher_prices_rtn_only(tiny_models, tmp_path, run_cli):
+def test_the_signal_is_an_adaptive_scan_s_and_the_fisher_prices_rtn_and_imatrix_only(tiny_models, tmp_path, run_cli):
     model, out = str(tiny_models["llama"]), tmp_path / "m.json"
     code, _, err = run_cli("scan", model, "--signal", "fast", "--out", str(out))
     assert code == 2 and "--method adaptive" in err
     adaptive = ["scan", model, "--method", "adaptive", "--weight-budget", "1MiB", "--out", str(out)]
-    code, _, err = run_cli(*adaptive, "--rounding", "gptq", "--signal", "fast")
-    assert code == 2 and "--signal weight" in err
+    code, _, err = run_cli(*adaptive, "--rounding", "awq", "--signal", "fast")
+    assert code == 2 and "--signal weight" in err and "not awq" in err
+    code, _, err = run_cli("scan", model, "--method", "fast", "--rounding", "awq", "--out", str(out))
+    assert code == 2 and "--method weight or exact" in err
     code, _, err = run_cli(*adaptive, "--signal", "exact")
     assert code == 2 and "unknown --signal 'exact'" in err and "fast or weight" in err
     assert not out.exists()
@@ -261,6 +269,7 @@ def test_a_sample_of_every_row_is_the_whole_price(monkeypatch):
                                   + weighted_error(weight, quantized, row_weight=rows), rel=1e-9)
     monkeypatch.setattr(sampling, "SAMPLE_SHARE", 1)
     monkeypatch.setattr(sampling, "SAMPLE_FLOOR", 1 << 10)
+    monkeypatch.setattr(sampling, "EARLY", 1)  # no first draw: every row
     assert tensor_error(_Tensor, weight, fmt, "imatrix", stats) == pytest.approx(whole, rel=1e-9)
 
 
@@ -274,6 +283,7 @@ def test_a_sixteenth_of_the_rows_prices_the_matrix_within_a_few_percent(type_nam
     weight, imatrix = _imatrix_matrix(2048, 1024)
     monkeypatch.setattr(sampling, "SAMPLE_FLOOR", 1 << 14)  # so 1/16 of this matrix is what is drawn
     monkeypatch.setattr(sampling, "MAX_RELATIVE_ERROR", float("inf"))  # never the whole: the sample alone
+    monkeypatch.setattr(sampling, "EARLY", 1)  # and that sample, not a quarter of it
     fmt, stats = get_format(type_name), _Columns(imatrix)
     whole = tensor_error(_Tensor, weight, fmt, "imatrix", stats, sample=False)
     estimates = [tensor_error(_Tensor, weight, fmt, "imatrix", stats, seed=seed) for seed in range(4)]
@@ -324,6 +334,30 @@ def test_the_weight_scan_prices_large_matrices_from_a_sample_of_rows(tiny_models
     for w, d in zip(whole["groups"], drawn["groups"]):
         for f, cell in w["cells"].items():
             assert d["cells"][f]["damage"] == pytest.approx(cell["damage"], rel=0.1, abs=1e-12), (w["name"], f)
+
+
+def test_a_first_quarter_draw_prices_alone_where_it_decides_and_the_full_draw_follows_where_not(monkeypatch):
+    """sampled_or_whole draws a quarter of the sample first (the same seeded uniforms, so its units are among the
+    full draw's): stated within MAX_RELATIVE_ERROR it is the price, no more is rounded; otherwise the full sample,
+    then the whole."""
+    from cardfit import sampling
+
+    guide = torch.rand(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.5
+    asked = []
+
+    def price(taken, noise=0.0):
+        asked.append(len(taken))
+        return guide[taken] * (1 + noise * torch.randn(len(taken), dtype=torch.float64))
+
+    assert sampling.sampled_or_whole(guide, price, 256, lambda: -1.0) == pytest.approx(float(guide.sum()))
+    assert len(asked) == 1 and 40 < asked[0] < 90  # about 64 units: the quarter alone
+    asked.clear()
+    noisy = sampling.sampled_or_whole(guide, lambda t: price(t, 0.5), 256, lambda: -1.0)
+    assert len(asked) == 2 and asked[1] > 3 * asked[0]  # the quarter stated too much: the full draw
+    assert noisy == -1.0 or abs(noisy / float(guide.sum()) - 1) < 0.1
+    asked.clear()
+    assert sampling.sampled_or_whole(guide, lambda t: price(t, 5.0), 256, lambda: -1.0) == -1.0  # neither decides
+    assert len(asked) == 2
 
 
 def test_a_draw_of_nothing_or_an_unscaled_row_is_never_a_price(monkeypatch):
