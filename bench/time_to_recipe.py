@@ -11,7 +11,8 @@ Stages, each timed in this process (CPU = this process's user + system time, eve
 its exact measuring (split where the scan logs its first round), then per size plan, pack (with that importance
 matrix) and check (llama.cpp against the f16 reference on the bundled held-out text). With `--presets`, the
 sizes are llama.cpp's own preset files of the f16 model, quantized with an importance matrix of the same tokens
-as the scan's, and each is checked the same way.
+as the scan's, and each is checked the same way. `--group-by tensor` scans per matrix (files and maps named
+`*-<path>-tensor*`); `--reuse-shelf` takes the preset files a run before left in `--out`.
 
     python bench/time_to_recipe.py --model qwen2.5-coder-1.5b --presets Q4_K_M,Q3_K_M,Q2_K,IQ2_M --paths fast \
         --out bench-out/ttr
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="calibration tokens (imatrix and scan)")
     parser.add_argument("--check-tokens", type=int, default=2048, help="held-out tokens each file is checked on")
     parser.add_argument("--paths", default="fast,adaptive", help="comma-separated: " + ", ".join(PATHS))
+    parser.add_argument("--group-by", default="layer", choices=("layer", "tensor"), help="the scan's groups")
+    parser.add_argument("--reuse-shelf", action="store_true",
+                        help="take the preset files and their imatrix already in --out (a run before made them)")
     parser.add_argument("--out", default="bench-out/time-to-recipe")
     args = parser.parse_args()
     paths = args.paths.split(",")
@@ -85,12 +89,14 @@ def main() -> None:
 
     presets = args.presets.split(",") if args.presets else []
     if presets:  # the presets' sizes are the budgets: their files come first (the shelf's own imatrix walk)
-        f16 = out / "f16.gguf"
-        pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False, smoke=False)
-        shelf_imatrix = out / "shelf-imatrix.gguf"
-        collect_imatrix(model, None, args.tokens, 512, shelf_imatrix, progress=False)  # the same tokens as the scan's
-        values = llama_imatrix_values(shelf_imatrix, source)
-        shelf = {preset: llama_quantize(f16, out / f"shelf-{preset}.gguf", preset, imatrix=values) for preset in presets}
+        shelf = {preset: out / f"shelf-{preset}.gguf" for preset in presets}
+        if not args.reuse_shelf or not all(path.is_file() for path in shelf.values()):
+            f16 = out / "f16.gguf"
+            pack(uniform_recipe(source, "F16"), model, f16, force=True, progress=False, smoke=False)
+            shelf_imatrix = out / "shelf-imatrix.gguf"
+            collect_imatrix(model, None, args.tokens, 512, shelf_imatrix, progress=False)  # the scan's tokens
+            values = llama_imatrix_values(shelf_imatrix, source)
+            shelf = {preset: llama_quantize(f16, path, preset, imatrix=values) for preset, path in shelf.items()}
         sizes = [p.stat().st_size for p in shelf.values()]
         stages.lap("shelf files (not cardfit's)")
     reserve = reserve_bytes(source, "llama.cpp")
@@ -103,38 +109,40 @@ def main() -> None:
         stages.lap("shelf checks (not cardfit's)")
     rows = []
     for name in paths:
-        map_path, imatrix = out / f"map-{name}.json", out / f"imatrix-{name}.gguf"
+        label = name if args.group_by == "layer" else f"{name}-{args.group_by}"
+        map_path, imatrix = out / f"map-{label}.json", out / f"imatrix-{label}.gguf"
         for stale in (map_path, imatrix):
             stale.unlink(missing_ok=True)
-        stage = f"{name}: pricing (the imatrix recorded on the way)"
+        stage = f"{label}: pricing (the imatrix recorded on the way)"
 
         def log(line: str) -> None:
             nonlocal stage
             print(line, flush=True)
             if line.startswith("adaptive round 1:"):
                 stages.lap(stage)
-                stage = f"{name}: measuring (exact cells)"
+                stage = f"{label}: measuring (exact cells)"
 
         settings = PATHS[name]
-        scan(model, None, args.tokens, args.formats, out=map_path, rounding="imatrix", progress=False, log=log,
+        scan(model, None, args.tokens, args.formats, group_by=args.group_by, out=map_path, rounding="imatrix",
+             progress=False, log=log,
              imatrix_out=imatrix, weight_budgets=sizes if settings["method"] == "adaptive" else None, **settings)
         stages.lap(stage)
         for index, size in enumerate(sizes):
             recipe = plan(map_path, size, reserve_bytes=reserve, budget_info={"file_size_bytes": size})
-            stages.lap(f"{name}: plan")
-            artifact = out / f"cardfit-{name}-{index}.gguf"
+            stages.lap(f"{label}: plan")
+            artifact = out / f"cardfit-{label}-{index}.gguf"
             pack(recipe, model, artifact, force=True, progress=False, smoke=False, imatrix=imatrix)
-            stages.lap(f"{name}: pack")
+            stages.lap(f"{label}: pack")
             mine = check(artifact, model or "default", None, args.check_tokens, 512, reference_logits=reference)
-            stages.lap(f"{name}: check")
-            row = {"path": name, "size": size, "file_bytes": artifact.stat().st_size, "kld": mine["kld_mean"],
+            stages.lap(f"{label}: check")
+            row = {"path": label, "size": size, "file_bytes": artifact.stat().st_size, "kld": mine["kld_mean"],
                    "predicted": recipe["predicted_damage"]}
             if presets:
                 preset = presets[index]
                 row.update({"preset": preset, "preset_kld": preset_kld[preset],
                             "vs_preset": 1 - mine["kld_mean"] / preset_kld[preset]})
             rows.append(row)
-    (out / "time-to-recipe.json").write_text(json.dumps({"stages": stages.rows, "rows": rows}, indent=2))
+    (out / ("time-to-recipe.json" if args.group_by == "layer" else f"time-to-recipe-{args.group_by}.json")).write_text(json.dumps({"stages": stages.rows, "rows": rows}, indent=2))
     print("\n| stage | wall s | CPU s |\n|---|---|---|")
     for name, (wall, cpu) in stages.rows.items():
         print(f"| {name} | {wall:.1f} | {cpu:.1f} |")

@@ -66,6 +66,7 @@ def bench(artifact: str | Path, vram: str | int | None = None, prompt_tokens: in
     path = Path(artifact)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise CardfitError(f"{path} is not a .gguf file", "cardfit bench measures GGUF artifacts in llama.cpp")
+    vram_bytes = None if vram is None else parse_bytes(vram, "--vram")  # refused before the minutes of measuring
     _refuse_oversized_context(path, prompt_tokens + gen_tokens)
     from .runtimes import load_llama
 
@@ -99,8 +100,8 @@ def bench(artifact: str | Path, vram: str | int | None = None, prompt_tokens: in
               "gen_tokens": gen_tokens, "gen_tokens_per_s": gen_tokens / gen_s}
     if vram is not None:
         geometry = GgufSource(path).geometry
-        result["vram_bytes"] = parse_bytes(vram, "--vram")
-        result["max_context_tokens"] = max_context_tokens(geometry, result["vram_bytes"], path.stat().st_size,
+        result["vram_bytes"] = vram_bytes
+        result["max_context_tokens"] = max_context_tokens(geometry, vram_bytes, path.stat().st_size,
                                                           "llama.cpp")
     return result
 
@@ -136,6 +137,7 @@ def bench_vllm(artifact: str | Path, vram: str | int | None = None, reference: s
     if not (path.is_dir() and (path / "config.json").exists()):
         raise CardfitError(f"{path} is not a compressed-tensors checkpoint directory",
                            "cardfit bench --runtime vllm measures what `cardfit pack --format compressed-tensors` writes")
+    vram_bytes = None if vram is None else parse_bytes(vram, "--vram")  # refused before vLLM starts
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     ref = open_model(reference, run=True)  # its 16-bit form, also for a .gguf
     ref_bytes = sum(t.nbytes for t in ref.tensors())
@@ -149,8 +151,8 @@ def bench_vllm(artifact: str | Path, vram: str | int | None = None, reference: s
               "batched_tokens_per_s": answer["batched_tok_s"], "batch": batch, "gen_tokens": gen_tokens,
               "vllm_kv_tokens_per_gib": answer["kv_cache_tokens"], "predicted_kv_tokens_per_gib": 2**30 // per_token}
     if vram is not None:
-        result["vram_bytes"] = parse_bytes(vram, "--vram")
-        result["max_context_tokens"] = max_context_tokens(geometry, result["vram_bytes"], weights, "vllm")
+        result["vram_bytes"] = vram_bytes
+        result["max_context_tokens"] = max_context_tokens(geometry, vram_bytes, weights, "vllm")
     return result
 
 

@@ -218,7 +218,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         imatrix = out / IMATRIX_FILE if method == "imatrix" else None
         rounding = "imatrix" if method == "imatrix" else "rtn"
         if imatrix is not None:
-            _own_imatrix(imatrix)
+            _own_imatrix(imatrix, map_path)
         if begun_rounding in ROUNDINGS and begun_rounding != rounding:
             _say(log, f"{map_path} was begun with {begun_rounding} rounding: resumed as it was begun (a new --out "
                       f"scans {rounding} rounding)")
@@ -343,15 +343,16 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
     return {"recipe": recipe, "pack": packed, "check": checked, "artifact": str(artifact)}
 
 
-def _own_imatrix(path: Path) -> None:
+def _own_imatrix(path: Path, map_path: Path) -> None:
     """fit's importance matrix is its own output: anything at DIR/imatrix.gguf that is not an imatrix a scan
-    wrote is replaced (the scan makes it again), a directory there refused."""
+    wrote, or that no map of the directory goes with, is replaced (the scan makes it again); a directory there
+    is refused. (Beside a map, the scan itself refuses an imatrix of another job.)"""
     from .imatrix import made_for
 
     if path.is_dir():
         raise CardfitError(f"{path} is a directory, where fit writes its importance matrix",
                            f"remove {path}, or fit into another --out")
-    if (path.is_file() or path.is_symlink()) and made_for(path) is None:
+    if (path.is_file() or path.is_symlink()) and (made_for(path) is None or not map_path.is_file()):
         path.unlink()
 
 

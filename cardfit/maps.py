@@ -33,7 +33,13 @@ def validate_map(data, where: str = "map") -> None:
 
 
 def check_map_model(data: dict, source) -> None:
-    """Refuse a map measured on another model (fingerprint of config and tensor index)."""
+    """Refuse a map measured on another model (fingerprint of config and tensor index), or on other weights of
+    the same architecture (the weights sample, where the map records one)."""
     if source.fingerprint() != data["model"]["fingerprint"]:
         raise CardfitError(f"the map was scanned on another model ({data['model'].get('name')}), "
                            f"not {source.path.name}", "scan this model, or pass the model the map was made on")
+    recorded = data["model"].get("weights")
+    if recorded is not None and recorded != source.weights_sample():
+        raise CardfitError(f"the map was scanned on other weights of this architecture ({data['model'].get('name')}: "
+                           f"another checkpoint or a fine-tune), not {source.path.name}'s",
+                           "scan this model, or pass the checkpoint the map was made on")

@@ -27,7 +27,7 @@ from .groups import Group, pending_by_group, scan_groups
 from .heap import map_large_blocks, return_freed_memory
 from .measure import (ROUND_TRACK_BYTES, RoundedAhead, Scanner, copy_bytes, finish, format_batches, in_map_order,
                       measure_group, measure_round, measured_formats, walk_windows)
-from .schemas import KL_METRIC, MAP_VERSION, model_header
+from .schemas import KL_METRIC, MAP_VERSION, model_header, same_model
 from .sources import ModelSource, open_model, runnable
 from .text import calibration_header, load_text, load_tokenizer, token_chunks
 from .weight_signal import METRIC as WEIGHT_METRIC
@@ -60,8 +60,9 @@ def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Te
 
 
 def _same_job(a: dict, b: dict) -> bool:
-    keys = ("cardfit_map", "model", "calibration", "damage", "rounding", "group_by", "runtime", "formats")
-    return all(a.get(k) == b.get(k) for k in keys) and a.get("compute", "float32") == b.get("compute", "float32")
+    keys = ("cardfit_map", "calibration", "damage", "rounding", "group_by", "runtime", "formats")
+    return (all(a.get(k) == b.get(k) for k in keys) and same_model(a.get("model", {}), b.get("model", {}))
+            and a.get("compute", "float32") == b.get("compute", "float32"))
 
 
 def scan(model: str | Path | None = None, calibration: str | Path | None = None, max_tokens: int = 8192,
@@ -161,13 +162,6 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     tokenizer = load_tokenizer(str(source.path))
     chunks = token_chunks(tokenizer, text, seq_len, max_tokens, source=str(text_path), rows=source.embedding_rows())
     header = map_header(source, text, text_path, chunks, fmts, group_by, rounding, method, compute)
-    record = None
-    if imatrix_out is not None:
-        from .imatrix import ImatrixRecord, job_key, made_from
-
-        job = job_key(header["model"], header["calibration"])
-        if not made_from(Path(imatrix_out), job):
-            record = ImatrixRecord(source, chunks, text_path.name, job)
     out = Path(out)
     result = None
     if out.exists() and (resume or not estimate):
@@ -181,6 +175,16 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
                                "use a new --out, or the original model, calibration and formats")
         result = previous
         result.setdefault("compute", header["compute"])  # a map begun before the key was float32
+    record = None
+    if imatrix_out is not None:
+        from .imatrix import ImatrixRecord, job_key, made_for, made_from
+
+        job = job_key(header["model"], header["calibration"])
+        if made_for(Path(imatrix_out)) not in (None, job):  # another map's imatrix: its packs would round with ours
+            raise CardfitError(f"--imatrix-out {imatrix_out} holds the importance matrix of another scan (another "
+                               "model or calibration text)", "choose another --imatrix-out, or remove that file")
+        if not made_from(Path(imatrix_out), job):
+            record = ImatrixRecord(source, chunks, text_path.name, job)
     groups = scan_groups(source, group_by)
     if result is None:
         result = dict(header)

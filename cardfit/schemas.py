@@ -50,6 +50,7 @@ class ModelHeader(_Record):
     """Which model a map was measured on: plan and pack refuse any other."""
 
     fingerprint: Annotated[StrictStr, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+    weights: Annotated[StrictStr, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None  # absent before 2026-12
     model_type: Name
     name: StrictStr
     tied_embeddings: StrictBool
@@ -235,9 +236,18 @@ def content_hash(artifact: dict) -> str:
 
 def model_header(source) -> dict:
     """What maps and recipes say about the model they belong to (the one place this header is made)."""
-    return {"fingerprint": source.fingerprint(), "model_type": source.geometry.model_type,
+    return {"fingerprint": source.fingerprint(), "weights": source.weights_sample(),
+            "model_type": source.geometry.model_type,
             "name": source.path.name, "tied_embeddings": source.tied_embeddings,
             "num_layers": source.geometry.num_layers}
+
+
+def same_model(recorded: dict, header: dict) -> bool:
+    """Whether a model header an artifact recorded names the model `header` describes: every key equal, the
+    weights sample compared only where both have one (maps and recipes made before it was recorded)."""
+    keys = (set(recorded) | set(header)) - ({"weights"} if None in (recorded.get("weights"), header.get("weights"))
+                                              else set())
+    return all(recorded.get(k) == header.get(k) for k in keys)
 
 
 def _target_names() -> list[str]:

@@ -268,7 +268,8 @@ def test_fit_resumes_a_map_with_the_rounding_it_was_begun_with(tiny_models, tmp_
 
 def test_fit_owns_its_imatrix_file(tiny_models, tmp_path, unsmoked):
     """Junk at DIR/imatrix.gguf is fit's own output name: replaced; an imatrix of this job whose values were
-    damaged is made again rather than packed with; a directory there is refused before any work."""
+    damaged, or another job's with no map beside it, is made again rather than packed with; a directory there is
+    refused before any work."""
     import gguf
 
     from cardfit.fit import fit
@@ -288,6 +289,11 @@ def test_fit_owns_its_imatrix_file(tiny_models, tmp_path, unsmoked):
     reader.tensors[0].data[...] = float("nan")  # the header still names this job
     del reader
     assert not made_from(out / "imatrix.gguf", job)
+    fit(model, **kwargs)
+    assert made_from(out / "imatrix.gguf", job)
+    fit(model, **{**kwargs, "out": tmp_path / "other", "max_tokens": 64})  # another job's imatrix, and no map
+    (out / "imatrix.gguf").write_bytes((tmp_path / "other" / "imatrix.gguf").read_bytes())
+    (out / "sensitivity.json").unlink()
     fit(model, **kwargs)
     assert made_from(out / "imatrix.gguf", job)
     (out / "imatrix.gguf").unlink()

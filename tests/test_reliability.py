@@ -568,3 +568,39 @@ def test_compare_never_writes_over_an_input_inside_its_directory(tiny_models, tm
                            "--baselines", "none", "--no-speed")
     assert code == 2 and "would overwrite the map" in err and len(err.strip().splitlines()) == 1, err
     assert the_map.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["weight-map.json"]
+
+
+def test_a_map_of_other_weights_of_the_same_architecture_is_refused(tiny_models, tmp_path, run_cli):
+    """A fine-tune has the same config and tensor index, so the fingerprint alone took its base model's map for its
+    own; the weights sample tells them apart, and a byte-identical copy is still the same model."""
+    from safetensors.torch import load_file, save_file
+
+    from test_scan import run_scan, small_text
+
+    model = tiny_models["llama"]
+    tuned, copy = tmp_path / "tuned", tmp_path / "copy"
+    shutil.copytree(model, tuned)
+    shutil.copytree(model, copy)
+    shard = next(tuned.glob("*.safetensors"))
+    tensors = load_file(shard)
+    tensors = {name: t * 1.01 if t.ndim == 2 else t for name, t in tensors.items()}  # every matrix moved a little
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert open_model(tuned).fingerprint() == open_model(model).fingerprint()
+    assert open_model(tuned).weights_sample() != open_model(model).weights_sample()
+    text, out = small_text(tmp_path), tmp_path / "map.json"
+    run_scan(model, text, out, formats="Q8_0,Q4_K")
+    code, _, err = run_cli("plan", out, "--weight-budget", "1GiB", "--model", tuned, "--out", tmp_path / "r.json")
+    assert code == 2 and "other weights of this architecture" in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "r.json").exists()
+    code, _, err = run_cli("plan", out, "--weight-budget", "1GiB", "--model", copy, "--out", tmp_path / "r.json")
+    assert code == 0, err
+    before = out.read_bytes()
+    with pytest.raises(CardfitError, match="another model, text or settings"):
+        run_scan(tuned, text, out, formats="Q8_0,Q4_K", resume=True)
+    assert out.read_bytes() == before
+    old = json.loads(before)  # a map made before the sample was recorded is judged by its fingerprint alone
+    del old["model"]["weights"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    code, _, err = run_cli("plan", tmp_path / "old.json", "--weight-budget", "1GiB", "--model", tuned, "--out",
+                           tmp_path / "r2.json")
+    assert code == 0, err

@@ -423,9 +423,10 @@ def test_a_scan_with_nothing_to_price_still_leaves_its_imatrix(tiny_models, tmp_
     stamp = imatrix.stat().st_mtime_ns
     run_scan(model, text, out, method="weight", rounding="imatrix", imatrix_out=imatrix, resume=True)
     assert imatrix.stat().st_mtime_ns == stamp  # kept
-    run_scan(model, text, tmp_path / "short.json", method="weight", rounding="imatrix", imatrix_out=imatrix,
-             max_tokens=128)
-    assert not _belongs(imatrix, result) and imatrix.read_bytes() != first
+    with pytest.raises(CardfitError, match="another scan"):  # another job's scan never takes this map's imatrix
+        run_scan(model, text, tmp_path / "short.json", method="weight", rounding="imatrix", imatrix_out=imatrix,
+                 max_tokens=128)
+    assert imatrix.read_bytes() == first and not (tmp_path / "short.json").exists()
     exact = run_scan(model, text, tmp_path / "exact.json", imatrix_out=tmp_path / "exact.gguf")
     assert _belongs(tmp_path / "exact.gguf", exact)
 
@@ -442,16 +443,23 @@ def test_imatrix_out_is_refused_before_work_where_it_cannot_be_written(tiny_mode
 
 
 def test_an_imatrix_belongs_to_its_model_and_a_file_not_a_scan_s_is_never_replaced(tiny_models, tmp_path, run_cli):
-    """Same text, tokens and chunks but another model: the file is made again for it; a file at --imatrix-out
-    that no cardfit scan wrote (a user's own imatrix, anything else) is refused before work and left as it was."""
+    """Same text, tokens and chunks but another model: that scan is refused the first one's imatrix (its maps'
+    packs round with it) and makes its own elsewhere; a file at --imatrix-out that no cardfit scan wrote (a
+    user's own imatrix, anything else) is refused before work too, and each is left as it was."""
     text = small_text(tmp_path)
     imatrix = tmp_path / "im.gguf"
     first = run_scan(tiny_models["llama"], text, tmp_path / "a.json", method="weight", rounding="imatrix",
                      imatrix_out=imatrix)
+    kept = imatrix.read_bytes()
+    code, _, err = run_cli("scan", tiny_models["qwen2"], "--calibration", text, "--max-tokens", "256", "--seq-len",
+                           "32", "--method", "weight", "--rounding", "imatrix", "--out", tmp_path / "b.json",
+                           "--imatrix-out", imatrix)
+    assert code == 2 and "another scan" in err.strip().splitlines()[-1], err
+    assert imatrix.read_bytes() == kept and not (tmp_path / "b.json").exists()
     second = run_scan(tiny_models["qwen2"], text, tmp_path / "b.json", method="weight", rounding="imatrix",
-                      imatrix_out=imatrix)
+                      imatrix_out=tmp_path / "other.gguf")
     assert first["calibration"] == second["calibration"]
-    assert _belongs(imatrix, second) and not _belongs(imatrix, first)
+    assert _belongs(tmp_path / "other.gguf", second) and _belongs(imatrix, first) and not _belongs(imatrix, second)
     mine = tmp_path / "mine.gguf"
     mine.write_bytes(b"GGUF" + bytes(60))
     code, _, err = run_cli("scan", tiny_models["llama"], "--calibration", text, "--max-tokens", "256", "--seq-len", "32",

@@ -233,6 +233,11 @@ class ModelSource:
                 by_type[t.dtype] = by_type.get(t.dtype, 0) + t.nbytes
         return {group: sorted(by_type, key=by_type.get, reverse=True) for group, by_type in weight.items()}
 
+    def weights_sample(self) -> str:
+        """A hash of some of the weights' values (what `fingerprint` leaves out), so a map is never taken for the
+        map of another checkpoint of the same architecture (a fine-tune); the sources say which values."""
+        raise NotImplementedError
+
     def fingerprint(self) -> str:
         """Content hash of config and tensor index (names, shapes, dtypes): names the model in artifacts."""
         digest = hashlib.sha256()

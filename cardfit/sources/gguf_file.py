@@ -379,6 +379,9 @@ class GgufSource(ModelSource):
         """The converted directory's fingerprint: the model the stages run and maps record."""
         return self.runnable().fingerprint()
 
+    def weights_sample(self) -> str:
+        return self.runnable().weights_sample()
+
     def read(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         import gguf
 
