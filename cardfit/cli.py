@@ -457,7 +457,7 @@ def fit_command(
                                               "or where the directory's map was scanned that way)."),
     group_by: Optional[str] = typer.Option(None, help="layer or tensor (default: tensor for a mixture-of-experts "
                                            "model, so routed experts, attention and shared experts get their "
-                                           "own formats; layer otherwise)."),
+                                           "own formats, and with --scan-method fast; layer otherwise)."),
 ):
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit

@@ -133,8 +133,9 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     target's default menu and the source's own types (the default with `ray`, and for a directory whose
     map was scanned that way). With `ray`, the scan's group sweeps run on that Ray cluster
     (cluster.py), exactly; the rest stays here. `group_by` None: per tensor for a mixture-of-experts model
-    (each expert stack, attention matrix and shared expert its own group: the MoE recipe's whole point),
-    per layer otherwise. `sizes` ("900MB,1.2GB", instead of `vram`): one scan for all, then the best artifact
+    (each expert stack, attention matrix and shared expert its own group: the MoE recipe's whole point) and
+    for the fast scan (the Fisher prices a tensor as cheaply as a layer, and its per-tensor plans beat its
+    per-layer ones on the 1.5B: docs/benchmarks.md), per layer otherwise. `sizes` ("900MB,1.2GB", instead of `vram`): one scan for all, then the best artifact
     no larger than each size in its own directory (out/size-900MB/...); the summary's "sizes" lists them.
     `method` "imatrix": the scan measures imatrix rounding too (a directory whose map was begun with another
     rounding keeps it) and leaves out/imatrix.gguf, of its own calibration tokens, that every artifact is packed
@@ -208,7 +209,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     if group_by is None:
         from .groups import expert_stack
 
-        group_by = "tensor" if any(expert_stack(t.name) for t in source.tensors()) else "layer"
+        moe = any(expert_stack(t.name) for t in source.tensors())
+        group_by = "tensor" if moe or scan_method == "fast" else "layer"  # the Fisher prices per tensor for nothing
     _refuse_unreachable(source, formats, group_by, min(budgets), reserve,
                         "raise --vram, lower --context" if labelled is None else "raise --size")
     with work_directory(out):

@@ -321,6 +321,7 @@ def test_fit_scan_method_fast_plans_on_the_fisher_alone(tiny_models, tmp_path, m
     summary = fit(model, log=None, scan_method="fast", **kwargs)
     scanned = json.loads((out / "sensitivity.json").read_text())
     assert scanned["damage"]["method"].startswith("fast") and scanned["rounding"] == "imatrix"
+    assert scanned["group_by"] == "tensor"  # fast scans per tensor unless told otherwise
     assert (out / "imatrix.gguf").is_file()
     assert [r["pack"]["method"] for r in summary["sizes"]] == ["imatrix", "imatrix"]
     assert all(row["pack"]["file_bytes"] <= row["size_bytes"] for row in summary["sizes"])
