@@ -572,10 +572,13 @@ def test_compare_never_writes_over_an_input_inside_its_directory(tiny_models, tm
 
 def test_a_map_of_other_weights_of_the_same_architecture_is_refused(tiny_models, tmp_path, run_cli):
     """A fine-tune has the same config and tensor index, so the fingerprint alone took its base model's map for its
-    own; the weights sample tells them apart, and a byte-identical copy is still the same model."""
+    own; the weights sample tells them apart (plan, pack and refine through maps.check_map_model, scan --resume
+    through schemas.same_model), a byte-identical copy is still the same model, and a map made before the sample
+    was recorded is judged by its fingerprint alone."""
     from safetensors.torch import load_file, save_file
 
-    from test_scan import run_scan, small_text
+    from cardfit.maps import check_map_model
+    from cardfit.schemas import model_header, same_model
 
     model = tiny_models["llama"]
     tuned, copy = tmp_path / "tuned", tmp_path / "copy"
@@ -585,22 +588,15 @@ def test_a_map_of_other_weights_of_the_same_architecture_is_refused(tiny_models,
     tensors = load_file(shard)
     tensors = {name: t * 1.01 if t.ndim == 2 else t for name, t in tensors.items()}  # every matrix moved a little
     save_file(tensors, shard, metadata={"format": "pt"})
-    assert open_model(tuned).fingerprint() == open_model(model).fingerprint()
-    assert open_model(tuned).weights_sample() != open_model(model).weights_sample()
-    text, out = small_text(tmp_path), tmp_path / "map.json"
-    run_scan(model, text, out, formats="Q8_0,Q4_K")
-    code, _, err = run_cli("plan", out, "--weight-budget", "1GiB", "--model", tuned, "--out", tmp_path / "r.json")
+    base, fine_tuned = model_header(open_model(model)), model_header(open_model(tuned))
+    assert base["fingerprint"] == fine_tuned["fingerprint"] and base["weights"] != fine_tuned["weights"]
+    assert not same_model(dict(base, name="tuned"), fine_tuned)  # the directory's name is part of a header
+    assert same_model(dict(base, name="tuned", weights=None), fine_tuned)
+    recipe = uniform_recipe(open_model(model), "Q8_0")
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    code, _, err = run_cli("pack", tmp_path / "recipe.json", "--model", tuned, "--out", tmp_path / "t.gguf", "--no-smoke")
     assert code == 2 and "other weights of this architecture" in err.strip().splitlines()[-1], err
-    assert not (tmp_path / "r.json").exists()
-    code, _, err = run_cli("plan", out, "--weight-budget", "1GiB", "--model", copy, "--out", tmp_path / "r.json")
-    assert code == 0, err
-    before = out.read_bytes()
-    with pytest.raises(CardfitError, match="another model, text or settings"):
-        run_scan(tuned, text, out, formats="Q8_0,Q4_K", resume=True)
-    assert out.read_bytes() == before
-    old = json.loads(before)  # a map made before the sample was recorded is judged by its fingerprint alone
-    del old["model"]["weights"]
-    (tmp_path / "old.json").write_text(json.dumps(old))
-    code, _, err = run_cli("plan", tmp_path / "old.json", "--weight-budget", "1GiB", "--model", tuned, "--out",
-                           tmp_path / "r2.json")
-    assert code == 0, err
+    assert not (tmp_path / "t.gguf").exists()
+    check_map_model(recipe["map"], open_model(copy))
+    del recipe["map"]["model"]["weights"]
+    check_map_model(recipe["map"], open_model(tuned))
