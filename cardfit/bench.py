@@ -98,7 +98,7 @@ def bench(artifact: str | Path, vram: str | int | None = None, prompt_tokens: in
               "file_bytes": path.stat().st_size, "load_seconds": load_s, "load_rss_bytes": loaded_rss,
               "prompt_tokens": prompt_tokens, "prompt_tokens_per_s": prompt_tokens / prompt_s,
               "gen_tokens": gen_tokens, "gen_tokens_per_s": gen_tokens / gen_s}
-    if vram is not None:
+    if vram_bytes is not None:
         geometry = GgufSource(path).geometry
         result["vram_bytes"] = vram_bytes
         result["max_context_tokens"] = max_context_tokens(geometry, vram_bytes, path.stat().st_size,
@@ -150,7 +150,7 @@ def bench_vllm(artifact: str | Path, vram: str | int | None = None, reference: s
               "load_seconds": answer["load_s"], "single_stream_tokens_per_s": answer["single_stream_tok_s"],
               "batched_tokens_per_s": answer["batched_tok_s"], "batch": batch, "gen_tokens": gen_tokens,
               "vllm_kv_tokens_per_gib": answer["kv_cache_tokens"], "predicted_kv_tokens_per_gib": 2**30 // per_token}
-    if vram is not None:
+    if vram_bytes is not None:
         result["vram_bytes"] = vram_bytes
         result["max_context_tokens"] = max_context_tokens(geometry, vram_bytes, weights, "vllm")
     return result

@@ -69,10 +69,12 @@ def rounding_statistics(source: ModelSource, chunks: torch.Tensor, methods, devi
                 record.layer(statistics)
             out.update(statistics)
             walk.advance(index)
-        head = walk.head_statistics()
-        if record is not None:
-            record.output(head)
-        out.update({t.name: head for t in source.tensors() if t.group == LM_HEAD and len(t.shape) == 2})
+        heads = [t.name for t in source.tensors() if t.group == LM_HEAD and len(t.shape) == 2]
+        if heads:  # a tied head is the embedding, which has no statistics
+            head = walk.head_statistics()
+            if record is not None:
+                record.output(head)
+            out.update(dict.fromkeys(heads, head))
     finally:
         walk.engine.close()
     return out

@@ -308,11 +308,11 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
                         alike.setdefault(f.rounding_key(t.name, t.shape, rounding), []).append(f)
                 own = source.origin_types().get(t.name)
                 drawn = [_drawn(same[0], t, weight, own, rounding, calibration) for same in alike.values()]
-                rows = any(d and _method(same[0], rounding) != "rtn" for d, same in zip(drawn, alike.values()))
+                rows = any(d and same[0].method_for(rounding) != "rtn" for d, same in zip(drawn, alike.values()))
                 guide = row_guide(fisher[t.name], weight) if rows else None  # one per tensor, as the formats share it
-                kl = over_items(lambda same: _price(same[0], t, fisher[t.name], weight, own, rounding, calibration,
-                                                    guide),
-                                list(alike.values()), values_rounded(weight.numel(), all(drawn)))
+                kl = over_items(lambda pair: _price(pair[0][0], t, fisher[t.name], weight, pair[1], rounding,
+                                                    calibration, guide),
+                                list(zip(alike.values(), drawn)), values_rounded(weight.numel(), all(drawn)))
                 for same, nats in zip(alike.values(), kl):
                     for fmt in same:
                         damage[fmt.name] += nats
@@ -331,18 +331,13 @@ def prices_rounding(formats: list, rounding: str) -> bool:
     return all(f.method_for(rounding) in ("rtn", "imatrix") for f in formats)
 
 
-def _method(fmt, rounding: str) -> str:
-    """The rounding a format's cell is priced under, as the exact scan rounds it (Scanner.rounded): the scan's,
-    or the format's own where it takes no other (an i-quant's imatrix in an RTN scan)."""
-    return fmt.method_for(rounding)
-
-
 def _drawn(fmt, tensor, weight: torch.Tensor, own: str | None, rounding: str = "rtn", calibration=None) -> bool:
-    """Whether `_price` draws this tensor's price from a sample (of blocks under RTN, of rows otherwise). Not a
-    tensor rounded back onto the grid its source stored it on without statistics: ~0 but in a few blocks, which
-    no sample predicts (with an imatrix the scales are searched again and every row moves)."""
+    """Whether `_price` draws this tensor's price from a sample (of blocks under RTN, of rows otherwise), the
+    rounding being `fmt.method_for(rounding)` as the exact scan rounds it (Scanner.rounded: an i-quant's imatrix
+    in an RTN scan). Not a tensor rounded back onto the grid its source stored it on without statistics: ~0 but
+    in a few blocks, which no sample predicts (with an imatrix the scales are searched again and every row moves)."""
     storage = fmt.storage(tensor.name, tensor.shape)
-    method = _method(fmt, rounding)
+    method = fmt.method_for(rounding)
     if storage == own and (method == "rtn" or calibration is None):
         return False
     if method == "rtn":
@@ -350,14 +345,13 @@ def _drawn(fmt, tensor, weight: torch.Tensor, own: str | None, rounding: str = "
     return weight.dim() == 2 and worth_sampling(weight.numel()) and fmt.rows_apart(method)
 
 
-def _price(fmt, tensor, fisher: torch.Tensor, weight: torch.Tensor, own: str | None = None, rounding: str = "rtn",
+def _price(fmt, tensor, fisher: torch.Tensor, weight: torch.Tensor, drawn: bool, rounding: str = "rtn",
            calibration=None, guide: torch.Tensor | None = None) -> float:
-    """One tensor's predicted KL under one format and rounding: a large matrix from a sample of its blocks
-    (RTN, sampled_kl) or rows (a rounding with statistics, sampled_rows_kl), anything else, and a tensor rounded
-    back onto `own` (the grid its source stored it on: ~0 but in a few blocks, which no sample predicts), from
-    its whole round trip."""
-    method = _method(fmt, rounding)
-    if _drawn(fmt, tensor, weight, own, rounding, calibration):
+    """One tensor's predicted KL under one format and rounding: where `drawn` (_drawn), from a sample of its
+    blocks (RTN, sampled_kl) or rows (a rounding with statistics, sampled_rows_kl); otherwise from its whole
+    round trip."""
+    method = fmt.method_for(rounding)
+    if drawn:
         if method == "rtn":
             return sampled_kl(fisher, weight, fmt.storage(tensor.name, tensor.shape))
         return sampled_rows_kl(fisher, weight, lambda rows: fmt.roundtrip(tensor.name, rows, calibration, method),

@@ -70,11 +70,9 @@ def sampled_or_whole(guide: torch.Tensor, price: Callable[[torch.Tensor], torch.
                      whole: Callable[[], float], seed: int = 0) -> float:
     """sampled_total's estimate from a first draw of `wanted // EARLY` units where that decides the sum to
     MAX_RELATIVE_ERROR (and is not zero), else from `wanted` units where that does, else `whole()`. The stated
-    error comes from
-    the drawn units alone: a matrix whose error sits in a few units the guide does not predict, none of them
-    drawn, states a small one (callers price such matrices whole on their own rule: a tensor rounded back onto
-    the grid its source stored it on). The first draw is what makes the expensive types cheap: on
-    qwen2.5-coder-1.5b's matrices IQ2_S's price from a sixty-fourth of the rows states about 1 %."""
+    error comes from the drawn units alone: a matrix whose error sits in a few units the guide does not predict,
+    none of them drawn, states a small one (callers price such matrices whole on their own rule: a tensor rounded
+    back onto the grid its source stored it on)."""
     early = wanted // EARLY
     if 0 < early < wanted:
         estimate, error = sampled_total(guide, price, early, seed)

@@ -245,9 +245,9 @@ def model_header(source) -> dict:
 def same_model(recorded: dict, header: dict) -> bool:
     """Whether a model header an artifact recorded names the model `header` describes: every key equal, the
     weights sample compared only where both have one (maps and recipes made before it was recorded)."""
-    keys = (set(recorded) | set(header)) - ({"weights"} if None in (recorded.get("weights"), header.get("weights"))
-                                              else set())
-    return all(recorded.get(k) == header.get(k) for k in keys)
+    unsampled = None in (recorded.get("weights"), header.get("weights"))
+    return all(recorded.get(k) == header.get(k) for k in set(recorded) | set(header)
+               if not (unsampled and k == "weights"))
 
 
 def _target_names() -> list[str]:

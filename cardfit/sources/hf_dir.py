@@ -125,7 +125,6 @@ class HfDirectorySource(ModelSource):
                 tensor = place.within(handle.get_slice(fused)[place.expert]).contiguous()
             return tensor.clone() if dtype is None or dtype == tensor.dtype else tensor.to(dtype)
 
-
     SAMPLED = 256  # values from each end of every stored tensor that weights_sample hashes
 
     @cached_property
