@@ -15,9 +15,9 @@ again with that one cell lowered). The loop stops when no cell is left to measur
 A round's cells are measured together (measure.measure_round): one walk through the layers for all of
 them, each layer and the head read once per round rather than once per group.
 
-What it does not promise: two cells that are each within the band but together overestimated can
-still hide a better plan, and a signal much worse on the unmeasured cells than on the measured ones
-is not caught by its measured error. bench/adaptive_replay.py replays the rule on finished maps.
+Cells each within the band that together hide a better plan are caught by one more solve per budget
+with every estimated cell lowered by the band at once. What it does not promise: a signal much worse
+on the unmeasured cells than on the measured ones is not caught by its measured error. bench/adaptive_replay.py replays the rule on finished maps.
 The map says which cells were measured (no `method`) and which estimated (`method: estimate`, with
 `signal`).
 """
@@ -120,7 +120,9 @@ def deciding_cells(problem, budgets: list[int], choices: list[list[int]], estima
     every cell that the plan would take if its damage were BAND measured errors lower than estimated
     (solved again with only that cell lowered, unless the dual bound already shows the plan would not
     take it; above SOLVE_CELLS cells the bound alone decides, so a few more cells are measured, never
-    fewer; no error measured yet: the choices, then every cell)."""
+    fewer), and the estimated choices of each plan solved with every estimated cell BAND errors lower at
+    once (cells each within the band that together hide a better plan). No error measured yet: the
+    choices, then every cell."""
     from .plan import _solve
 
     wanted = {(g, c) for choice in choices for g, c in enumerate(choice) if (g, c) in estimated}
@@ -147,7 +149,23 @@ def deciding_cells(problem, budgets: list[int], choices: list[list[int]], estima
             solution = _solve(trial, budget)
             if solution is not None and solution.choice[g] == j:
                 wanted.add((g, j))
-    return wanted
+    return wanted | optimist_cells(problem, budgets, estimated, slack)
+
+
+def optimist_cells(problem, budgets: list[int], estimated: set[tuple[int, int]], slack: float) -> set[tuple[int, int]]:
+    """The estimated cells each budget's plan takes when every estimated damage is `slack` times lower at once:
+    cells each within the band that together hide a better plan (one solve per budget)."""
+    from .plan import _solve
+
+    optimist = replace(problem, damage=problem.damage.copy())
+    for g, j in estimated:
+        optimist.damage[g, j] /= slack
+    found = set()
+    for budget in budgets:
+        solution = _solve(optimist, budget)
+        if solution is not None:
+            found |= {(g, c) for g, c in enumerate(solution.choice) if (g, c) in estimated}
+    return found
 
 
 def check_budgets(result: dict, budgets: list[int], reserve: int) -> None:

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from cardfit.adaptive import BAND, deciding_cells, scaled_estimates, signal_error
+from cardfit.adaptive import BAND, deciding_cells, optimist_cells, scaled_estimates, signal_error
 from cardfit.plan import Problem
 
 
@@ -54,14 +54,14 @@ def problem(damage) -> Problem:
 
 def test_a_cell_is_measured_when_its_optimistic_damage_would_enter_the_plan():
     """Budget 5 bytes: two groups stay big, one goes small — the one whose small costs least (g2, 0.10).
-    g1's small is estimated at 0.12, within the band of 0.10: it could be the cheaper, so it is measured.
-    g0's small (1.0) is far outside; the big cells cost more bytes and are already chosen or dominated."""
+    g1's small is estimated at 0.12, within the band of 0.10: it could be the cheaper, so it is measured,
+    with g2's estimated big that the plan through it takes. g0's small (1.0) is far outside."""
     p = problem([[0.0, 1.0], [0.0, 0.12], [0.0, 0.10]])
     estimated = {(g, j) for g in range(3) for j in range(2)} - {(0, 0), (1, 0), (2, 1)}
     choice = [0, 0, 1]
     error = 0.1  # exp(2 * 0.1) = 1.22: 0.12 / 1.22 = 0.098 < 0.10
     assert math.exp(BAND * error) > 0.12 / 0.10
-    assert deciding_cells(p, [5], [choice], estimated, error) == {(1, 1)}
+    assert deciding_cells(p, [5], [choice], estimated, error) == {(1, 1), (2, 0)}  # (2, 0): the optimist's
     # a more accurate signal clears it: 0.12 / exp(2 * 0.05) = 0.109 > 0.10
     assert deciding_cells(p, [5], [choice], estimated, 0.05) == set()
     # an estimated chosen cell is always measured; with no error known yet, only the choices are
@@ -70,6 +70,28 @@ def test_a_cell_is_measured_when_its_optimistic_damage_would_enter_the_plan():
     assert (2, 1) in deciding_cells(p, [5], [choice], estimated, 0.05)
     # once the choices are measured and still no error is known, every estimated cell is
     assert deciding_cells(p, [5], [choice], estimated - {(2, 1)}, None) == estimated - {(2, 1)}
+
+
+def test_cells_each_within_the_band_that_together_hide_a_better_plan_are_measured():
+    """Budget 5 of 7 bytes: h going tiny (measured 0.19) frees the two bytes, or g0 and g1 going small
+    (estimated 0.11 each, truly 0.08). Lowered one at a time by the band (1.22) the pair costs 0.20 and is
+    not taken; lowered together 0.18 — so both are measured, though neither alone would be."""
+    from dataclasses import replace
+
+    from cardfit.plan import _solve
+
+    damage = np.array([[0.0, 0.11, 9.0], [0.0, 0.11, 9.0], [0.0, 9.0, 0.19]])
+    size = np.array([[2, 1, 1], [2, 1, 1], [3, 2, 1]])
+    allowed = np.array([[True, True, False], [True, True, False], [True, False, True]])
+    p = Problem(["g0", "g1", "h"], ["big", "small", "tiny"], damage, size, allowed, [])
+    estimated, choice, error = {(0, 1), (1, 1)}, [0, 0, 2], 0.1
+    assert list(_solve(p, 5).choice) == choice
+    for g, j in estimated:  # alone, neither enters the plan
+        lowered = replace(p, damage=damage.copy())
+        lowered.damage[g, j] /= math.exp(BAND * error)
+        assert list(_solve(lowered, 5).choice) == choice
+    assert deciding_cells(p, [5], [choice], estimated, error) == {(0, 1), (1, 1)}
+    assert optimist_cells(p, [5], estimated, math.exp(BAND * error)) == {(0, 1), (1, 1)}
 
 
 def test_the_dual_bound_prunes_only_cells_the_plan_would_not_take(monkeypatch):
@@ -108,11 +130,11 @@ def test_the_dual_bound_prunes_only_cells_the_plan_would_not_take(monkeypatch):
             if allowed[i, j] and solved is not None and solved.choice[i] == j:
                 brute.add((i, j))
         found = deciding_cells(p, [budget], [choice], estimated, error)
-        assert found == brute, trial
+        assert found == brute | optimist_cells(p, [budget], estimated, math.exp(BAND * error)), trial
         before = len(solves)
-        with monkeypatch.context() as large:  # a plan too large to solve per cell: the bound alone, a superset
-            large.setattr("cardfit.adaptive.SOLVE_CELLS", 0)
-            assert deciding_cells(p, [budget], [choice], estimated, error) >= brute and len(solves) == before
+        with monkeypatch.context() as large:  # a plan too large to solve per cell: the bound alone (a superset)
+            large.setattr("cardfit.adaptive.SOLVE_CELLS", 0)  # and the optimist's one solve
+            assert deciding_cells(p, [budget], [choice], estimated, error) >= brute and len(solves) == before + 1
         solved_for_every_cell += len(estimated)
     assert len(solves) < solved_for_every_cell / 2
 
