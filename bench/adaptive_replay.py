@@ -19,8 +19,8 @@ import argparse
 import copy
 import json
 
-import cardfit.adaptive as adaptive
-from cardfit.plan import Problem, _solve
+import cardfit.scan.adaptive as adaptive
+from cardfit.solver import Problem, optimum
 
 
 def replay(exact: dict, cheap: dict, budgets: list[int]) -> tuple[int, int, list[list[int]], int]:
@@ -46,7 +46,7 @@ def replay(exact: dict, cheap: dict, budgets: list[int]) -> tuple[int, int, list
 
     rounds = adaptive.adaptive_rounds(result, budgets, measure)
     replayed = Problem.from_map(result)
-    return measured, rounds, [list(_solve(replayed, b).choice) for b in budgets], unknown
+    return measured, rounds, [list(optimum(replayed, b).choice) for b in budgets], unknown
 
 
 def pooled(paths: list[str]) -> dict:
@@ -90,7 +90,7 @@ def main() -> None:
 
     def verdict(choice: list[int], b: int) -> str:
         if truth is not None:
-            return "same" if choice == list(_solve(truth, b).choice) else "NOT the exact plan"
+            return "same" if choice == list(optimum(truth, b).choice) else "NOT the exact plan"
         damage = [exact["groups"][g]["cells"].get(fmts[c], {}).get("damage") for g, c in enumerate(choice)]
         return f"exact damage {sum(damage):.6g}" if None not in damage else "a chosen cell not measured"
 

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from cardfit.engine import Engine, Track
 from cardfit.formats import get_format
-from cardfit.head_kl import slice_kl, summarize
-from cardfit.metrics import kl_from_logprobs
+from cardfit.engine.head_kl import slice_kl, summarize
+from cardfit.engine.metrics import kl_from_logprobs
 from cardfit.sources import open_model, runnable
 from cardfit.text import load_text, token_chunks
 

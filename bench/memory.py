@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 import cardfit.pack, gguf, llama_cpp
 from cardfit.formats import ggml_lib
 from cardfit.plan import uniform_recipe
-from cardfit.runner import StreamedModel
+from cardfit.engine.streamed import StreamedModel
 from cardfit.sources import open_model
 source = open_model(sys.argv[1])
 StreamedModel(source); AutoTokenizer.from_pretrained(str(source.path)); uniform_recipe(source, "Q8_0"); ggml_lib.ggml()

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from cardfit.plan import Problem, _solve
+from cardfit.solver import Problem, optimum
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
         position = 0.2 + 0.15 * trial
         budget = int(lo + position * (hi - lo))
         start = time.time()
-        solution = _solve(problem, budget)
+        solution = optimum(problem, budget)
         spent = time.time() - start
         print(f"| {trial} | {args.groups} x {args.formats} | {position:.2f} | {spent:.2f} | {solution.gap} |", flush=True)
 

@@ -29,11 +29,11 @@ from types import SimpleNamespace
 import torch
 
 from cardfit.architecture import geometry_from_config
-from cardfit.estimate import estimate_scan, layer_flops
+from cardfit.scan.estimate import estimate_scan, layer_flops
 from cardfit.formats import parse_formats
 from cardfit.groups import GroupId
 from cardfit.groups import scan_groups
-from cardfit.measure import LOGIT_POSITIONS, copy_bytes
+from cardfit.scan.measure import LOGIT_POSITIONS, copy_bytes
 from cardfit.scan import scan
 from cardfit.sources.base import ModelSource, TensorInfo, group_of
 

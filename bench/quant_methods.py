@@ -11,7 +11,7 @@ import time
 
 from transformers import AutoTokenizer
 
-from cardfit.evaluate import measure, reference_logits
+from cardfit.engine.evaluate import measure, reference_logits
 from cardfit.formats import get_format, is_decoder_linear
 from cardfit.quant.model import quantize_model
 from cardfit.engine import Engine

@@ -27,7 +27,7 @@ CANDIDATES = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "I
 
 def main() -> int:
     from cardfit.formats import ggml_lib
-    from cardfit.formats.gguf_formats import GGML_BLOCKS
+    from cardfit.formats.ggml_types import GGML_BLOCKS
     from cardfit.sources import open_model
     from cardfit.sources.gguf_file import GgufSource
 

@@ -15,7 +15,7 @@ import time
 
 from cardfit.formats import parse_formats
 from cardfit.formats.ggml_lib import over_items
-from cardfit.heap import map_large_blocks
+from cardfit.engine.heap import map_large_blocks
 from cardfit.sources import open_model, runnable
 
 

@@ -28,10 +28,11 @@ import torch
 from transformers import AutoTokenizer
 
 from cardfit.errors import CardfitError
-from cardfit.fisher import predicted_kl, sampled, sampled_kl, streamed_fisher, unit_prices
+from cardfit.scan.signals.fisher import predicted_kl, sampled, sampled_kl, streamed_fisher, unit_prices
 from cardfit.formats import parse_formats
-from cardfit.formats.gguf_formats import GGML_BLOCKS, ggml_roundtrip
-from cardfit.heap import map_large_blocks
+from cardfit.formats.ggml_types import GGML_BLOCKS
+from cardfit.formats.gguf_formats import ggml_roundtrip
+from cardfit.engine.heap import map_large_blocks
 from cardfit.sources import open_model, runnable
 from cardfit.text import load_text, token_chunks
 
@@ -116,11 +117,11 @@ def main() -> None:
 
 def weight_signal_errors(source, chunks, fmts, args) -> None:
     """Whole against sampled weight-signal prices, per matrix and per cell, with the seconds of each."""
-    from cardfit.calibrate import LayerCalibration
+    from cardfit.engine.calibrate import LayerCalibration
     from cardfit.groups import EMBED
-    from cardfit.weight_signal import _EdgeStatistics, _LayerStatistics, tensor_error, token_frequencies
+    from cardfit.scan.signals.weight import _EdgeStatistics, _LayerStatistics, tensor_error, token_frequencies
 
-    from cardfit import sampling
+    from cardfit.scan.signals import sampling
 
     drawn: list[tuple[float, float]] = []
     draw = sampling.sampled_total

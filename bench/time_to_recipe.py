@@ -32,7 +32,7 @@ from cardfit.imatrix import collect_imatrix
 from cardfit.pack import pack, reserve_bytes
 from cardfit.plan import plan, uniform_recipe
 from cardfit.scan import scan
-from cardfit.shelf import llama_quantize
+from cardfit.targets.shelf import llama_quantize
 from cardfit.sources import open_model, runnable
 from cardfit.units import format_bytes, parse_bytes
 

@@ -68,7 +68,7 @@ def bench(artifact: str | Path, vram: str | int | None = None, prompt_tokens: in
         raise CardfitError(f"{path} is not a .gguf file", "cardfit bench measures GGUF artifacts in llama.cpp")
     vram_bytes = None if vram is None else parse_bytes(vram, "--vram")  # refused before the minutes of measuring
     _refuse_oversized_context(path, prompt_tokens + gen_tokens)
-    from .runtimes import load_llama
+    from .targets.runtimes import load_llama
 
     process = psutil.Process()
     before = process.memory_info().rss
@@ -131,7 +131,7 @@ def bench_vllm(artifact: str | Path, vram: str | int | None = None, reference: s
     from .kv import kv_cache
     from .sources import open_model
     from .units import parse_bytes
-    from .vllm_env import run_driver
+    from .targets.vllm_env import run_driver
 
     path = Path(artifact)
     if not (path.is_dir() and (path / "config.json").exists()):

@@ -58,7 +58,7 @@ CATALOG = {m.name: m for m in (
 
 
 def models_dir() -> Path:
-    from .default_model import cache_root
+    from .cache import cache_root
 
     return cache_root() / "models"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .errors import CardfitError
-from .metrics import DistanceMeter, token_nll
+from .engine.metrics import DistanceMeter, token_nll
 
 DEFAULT_CEILING = 1000.0
 DEFAULT_MIN_TOP1 = 0.05
@@ -71,7 +71,7 @@ def check(artifact: str | Path, reference: str | Path | None = None, text: str |
     """Measure `artifact` against `reference` (or, with `smoke`, alone); returns the report with a verdict.
     `reference_logits` shares the reference's forward passes between checks of one reference."""
     from .engine import resolve_device
-    from .runtimes import open_runtime
+    from .targets.runtimes import open_runtime
     from .text import load_text, refuse_short_budget
 
     device = str(resolve_device(device)[0])

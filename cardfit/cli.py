@@ -16,6 +16,8 @@ import typer
 from .compare import DEFAULT_BASELINES, DEFAULT_PRESETS, I_QUANT_PRESETS
 from .locks import holding
 from .errors import CardfitError
+from .scan.signals import SIGNALS
+from .scan.signals import help_text as signals_help
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fit an open LLM into a fixed memory ceiling with the least quality lost, and prove it.")
@@ -144,10 +146,9 @@ def scan_command(
     rounding: str = typer.Option("rtn", help="Rounding each cell uses: rtn, imatrix, gptq, awq."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration chunk."),
     batch: int = typer.Option(4, min=1, help="Chunks per forward."),
-    method: str = typer.Option("exact", help="exact (measured KL, streamed), weight (imatrix-weighted weight "
-                                             "error, one layer walk, seconds to minutes), fast (diagonal-Fisher "
-                                             "estimate, streamed layer by layer) or adaptive (a cheap signal, "
-                                             "measured exactly where the plan at --weight-budget is decided)."),
+    method: str = typer.Option("exact", help="exact (measured KL, streamed); " + signals_help() + "; or adaptive "
+                                             "(a cheap signal, measured exactly where the plan at --weight-budget "
+                                             "is decided)."),
     dtype: str = typer.Option("auto", callback=_dtype, help=DTYPE_HELP),
     gpu_memory: Optional[str] = typer.Option(None, help="Device memory the scan may hold (CUDA; default 90% of "
                                                          "what is free): layers that fit stay resident."),
@@ -165,8 +166,8 @@ def scan_command(
                                                 help="With --method adaptive: the budgets, whole artifacts' sizes "
                                                      "(plan's --size, comma-separated), whose plans it decides."),
     signal: Optional[str] = typer.Option(None, help="With --method adaptive: what prices the cells it does not "
-                                                    "measure: fast (streamed Fisher; default for --rounding rtn) "
-                                                    "or weight (the weight signal; default otherwise)."),
+                                                    "measure: " + ", ".join(SIGNALS) + " (default: the first of "
+                                                    "them that prices --rounding)."),
     imatrix_out: Optional[str] = typer.Option(None, help="Also write llama.cpp's imatrix (GGUF) of the same "
                                                          "calibration tokens here: from the weight signal's walk "
                                                          "where it prices (one forward for both), else its own."),
@@ -223,7 +224,8 @@ def plan_command(
     from .atomic import atomic_paths, write_json
     from .formats import parse_formats
     from .maps import read_map
-    from .plan import Problem, frontier, parse_assignments, plan, render_recipe
+    from .plan import parse_assignments, plan, render_recipe
+    from .solver import Problem, frontier
     from .units import parse_bytes
 
     info = {}
@@ -362,7 +364,7 @@ def imatrix_command(
         result = collect_imatrix(model, calibration, max_tokens, seq_len, out, device, log=typer.echo)
     typer.echo(f"imatrix of {result['entries']} matrices over {result['tokens']} tokens "
                f"({result['chunks']} chunks of {result['chunk_size']}) -> {result['imatrix']}")
-    from .calibrate import unvisited_warning
+    from .engine.calibrate import unvisited_warning
 
     for line in unvisited_warning(result["unvisited"]):
         typer.echo(f"warning: {line}")
@@ -449,15 +451,16 @@ def fit_command(
                                       help="Run the scan's group sweeps on a Ray cluster (as scan --ray)."),
     workers: Optional[int] = typer.Option(None, help="With --ray: sweeps at a time."),
     scan_method: Optional[str] = typer.Option(None, help="adaptive (default): price every type on the target's "
-                                              "menu by the fast (Fisher) signal and measure exactly the cells that "
-                                              "could decide the plan at this budget; fast: plan on the Fisher's prices "
-                                              "alone, measuring none (minutes where measuring takes hours); "
-                                              "exact: measure every cell of "
-                                              "the default menu and the source's own types (the default with --ray, "
-                                              "or where the directory's map was scanned that way)."),
+                                              "menu by a cheap signal and measure exactly the cells that could "
+                                              "decide the plan at this budget; " + ", ".join(SIGNALS) + ": plan on "
+                                              "that signal's prices alone, measuring none (minutes where measuring "
+                                              "takes hours; scan --method says what each is); exact: measure every "
+                                              "cell of the default menu and the source's own types (the default "
+                                              "with --ray, or where the directory's map was scanned that way)."),
     group_by: Optional[str] = typer.Option(None, help="layer or tensor (default: tensor for a mixture-of-experts "
                                            "model, so routed experts, attention and shared experts get their "
-                                           "own formats, and with --scan-method fast; layer otherwise)."),
+                                           "own formats, and with a signal alone as --scan-method; layer "
+                                           "otherwise)."),
 ):
     """The whole job: budget -> scan -> plan -> pack -> check, into one directory."""
     from .fit import fit

@@ -127,7 +127,7 @@ def _gguf_speed(path: Path) -> dict:
 def _vllm_speed(path: Path, reference) -> dict:
     """Single-stream generation in vLLM when its environment exists; otherwise the row says why not."""
     from .bench import bench_vllm
-    from .vllm_env import vllm_python
+    from .targets.vllm_env import vllm_python
 
     try:
         vllm_python()
@@ -139,7 +139,7 @@ def _vllm_speed(path: Path, reference) -> dict:
 
 
 def _nf4_speed(model_dir: Path, text) -> dict:
-    from .runtimes import BitsAndBytesRuntime
+    from .targets.runtimes import BitsAndBytesRuntime
     from .text import load_text
 
     runtime = BitsAndBytesRuntime(model_dir)
@@ -170,7 +170,7 @@ def llama_cpp_version() -> str | None:
 def _quantize_atomically(f16: Path, out: Path, preset: str, imatrix: dict | None) -> None:
     """llama.cpp's quantize into a temporary file renamed over `out`: a stale or half-written preset never stays."""
     from .atomic import atomic_path
-    from .shelf import llama_quantize
+    from .targets.shelf import llama_quantize
 
     with atomic_path(out) as tmp:
         llama_quantize(f16, tmp, preset, imatrix=imatrix)
@@ -209,7 +209,7 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
     from .pack import pack, reserve_bytes
     from .plan import plan, uniform_recipe
     from .scan import scan
-    from .shelf import FTYPES, preset_needs_imatrix
+    from .targets.shelf import FTYPES, preset_needs_imatrix
     from .paths import guard_output, input_paths, model_paths, work_directory
     from .sources import open_model, runnable
     from .text import load_text, text_hash

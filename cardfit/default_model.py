@@ -9,18 +9,15 @@ numbers measure distance from that reference, not from the original bf16 release
 
 from __future__ import annotations
 
-import os
 from importlib import resources
 from pathlib import Path
 
+from .cache import cache_root
 from .errors import CardfitError
+from .sources.gguf_file import GgufSource, restore_pre_tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CARDFIT_CACHE", Path.home() / ".cache" / "cardfit"))
 
 
 def default_gguf() -> Path:
@@ -38,27 +35,7 @@ def default_model_dir() -> Path:
     """The f16 HF directory of the default model, built from the packaged GGUF on first use."""
     target = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-f16"
     if not (target / "config.json").exists():
-        from .sources.gguf_file import GgufSource
-
         GgufSource(default_gguf()).materialize(target)
     restore_pre_tokenizer(target)  # caches made before materialize() restored it itself
     return target
 
-
-# SmolLM's own pre-tokenizer (digits split one by one, then byte-level BPE), which its GGUF names
-# `smollm`; transformers' GGUF loader rebuilds a plain byte-level one, which tokenizes digits differently.
-SMOLLM_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
-    {"type": "Digits", "individual_digits": True},
-    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
-
-
-def restore_pre_tokenizer(model_dir: Path) -> None:
-    import json
-
-    from .atomic import write_json
-
-    path = model_dir / "tokenizer.json"
-    declared = json.loads(path.read_text(encoding="utf-8"))
-    if declared.get("pre_tokenizer") != SMOLLM_PRE_TOKENIZER:
-        declared["pre_tokenizer"] = SMOLLM_PRE_TOKENIZER
-        write_json(path, declared)

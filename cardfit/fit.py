@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CardfitError
+from .scan.signals import SIGNALS, adaptive_signal, signal_of_map
 from .schemas import content_hash
 from .units import format_bytes
 
@@ -45,18 +46,21 @@ def _say(log, text: str) -> None:
         log(text)
 
 
-SCAN_METHODS = ("adaptive", "fast", "exact")  # fit's --scan-method, its default first
+def scan_methods() -> tuple[str, ...]:
+    """fit's --scan-method words, its default first: adaptive, every registered signal alone, exact."""
+    return ("adaptive", *SIGNALS, "exact")
 
 
 def scan_menu(target, source, tensor_budget: int, method: str = "exact") -> str:
     """fit's scan formats. Exact: the target's default menu plus the quantized types the source itself
     stores (re-quantizing a tensor onto its own grid costs ~0, every other type far more; the embedded
-    model's Q4_1 layers are the case). Adaptive and fast: the target's whole menu. Either way the low-bit ladder too
-    when the tensors cannot fit `tensor_budget` without it (a 32B on a 12 GB card)."""
+    model's Q4_1 layers are the case). Otherwise the target's whole menu. Either way the low-bit ladder too
+    when the tensors cannot fit `tensor_budget` without it (a 32B on a 12 GB card). A cheap signal (adaptive, or
+    one alone) prices the whole menu too."""
     from .formats import get_format, parse_formats
     from .sizes import priced_tensors
 
-    if method in ("adaptive", "fast"):
+    if method != "exact":
         names = (target.whole_menu or target.default_scan_formats).split(",")
     else:
         names = target.default_scan_formats.split(",")
@@ -76,12 +80,11 @@ def _scanned(path: Path) -> tuple[str | None, str | None, str | None]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         method, rounding = data["damage"]["method"], data.get("rounding")
-        adaptive = data.get("adaptive")
-        signal = adaptive.get("signal", "weight") if isinstance(adaptive, dict) else None  # maps before the key
+        signal = adaptive_signal(data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None, None, None
-    method = next((m for m in SCAN_METHODS if isinstance(method, str) and method.startswith(m)), None)
-    return method, rounding if isinstance(rounding, str) else None, signal if isinstance(signal, str) else None
+    method = method.split(" ", 1)[0] if isinstance(method, str) and method.split(" ", 1)[0] in scan_methods() else None
+    return method, rounding if isinstance(rounding, str) else None, signal
 
 
 def parse_sizes(sizes: str | list[int]) -> list[tuple[str, int]]:
@@ -152,8 +155,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     begun_method, begun_rounding, begun_signal = _scanned(Path(out) / "sensitivity.json")
     if scan_method is None:
         scan_method = begun_method or ("exact" if ray is not None else "adaptive")
-    if scan_method not in SCAN_METHODS:
-        raise CardfitError(f"unknown --scan-method '{scan_method}'", "use --scan-method " + ", ".join(SCAN_METHODS))
+    if scan_method not in scan_methods():
+        raise CardfitError(f"unknown --scan-method '{scan_method}'", "use --scan-method " + ", ".join(scan_methods()))
     if group_by not in (None, "layer", "tensor"):
         raise CardfitError(f"unknown --group-by '{group_by}'", "use --group-by layer or --group-by tensor")
     if ray is not None and scan_method != "exact":
@@ -164,7 +167,7 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         raise CardfitError("--size and --vram both set the budget", "give the card's --vram or the file --size, not both")
     labelled = parse_sizes(sizes) if sizes is not None else None
     if ray is not None:  # refused before anything is written, as scan refuses it
-        from .cluster import check
+        from .scan.cluster import check
 
         check(ray, None, device)
     target = for_artifact(format)
@@ -206,11 +209,17 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
     if formats is None:
         formats = scan_menu(target, source, min(budgets) - reserve, scan_method)
         _say(log, f"scanning {formats}")
+    from .formats import parse_formats
+    from .scan import refuse_unpriced
+
+    asked = "imatrix" if method == "imatrix" else "rtn"
+    rounding = begun_rounding if begun_rounding in ROUNDINGS else asked  # a directory's map resumes as begun
+    refuse_unpriced(SIGNALS.get(scan_method), parse_formats(formats), rounding, "--scan-method", ("adaptive", "exact"))
     if group_by is None:
         from .groups import expert_stack
 
         moe = any(expert_stack(t.name) for t in source.tensors())
-        group_by = "tensor" if moe or scan_method == "fast" else "layer"  # the Fisher prices per tensor for nothing
+        group_by = "tensor" if moe or scan_method in SIGNALS else "layer"  # a signal prices per tensor for nothing
     _refuse_unreachable(source, formats, group_by, min(budgets), reserve,
                         "raise --vram, lower --context" if labelled is None else "raise --size")
     with work_directory(out):
@@ -218,13 +227,11 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
                   f"{out / 'sensitivity.json'})")
         map_path = out / "sensitivity.json"
         imatrix = out / IMATRIX_FILE if method == "imatrix" else None
-        rounding = "imatrix" if method == "imatrix" else "rtn"
         if imatrix is not None:
             _own_imatrix(imatrix, map_path)
-        if begun_rounding in ROUNDINGS and begun_rounding != rounding:
-            _say(log, f"{map_path} was begun with {begun_rounding} rounding: resumed as it was begun (a new --out "
-                      f"scans {rounding} rounding)")
-            rounding = begun_rounding
+        if rounding != asked:
+            _say(log, f"{map_path} was begun with {rounding} rounding: resumed as it was begun (a new --out "
+                      f"scans {asked} rounding)")
         sensitivity = scan(model, calibration, max_tokens, formats, group_by, map_path,
                            resume=True, device=device, seq_len=seq_len, progress=progress,
                            log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
@@ -292,7 +299,8 @@ def _deliver(job: _Job, out: Path, budget: int, info: dict, b) -> dict:
     each skipped where `out`'s fit.json says it is already done for this recipe."""
     from .atomic import write_json, write_text
     from .pack import pack, render_pack
-    from .plan import Problem, frontier, plan, render_recipe
+    from .plan import plan, render_recipe
+    from .solver import Problem, frontier
     from .plots import plot_frontier
 
     settings, log = job.settings, job.log
@@ -415,16 +423,15 @@ def render_report(b, sensitivity: dict, recipe: dict, packed: dict, checked: dic
              "| group | stored as | bytes | predicted damage | " + " | ".join(f"damage @ {f}" for f in formats) + " |",
              "|---|---|---|---|" + "---|" * len(formats)]
     cells = {g["name"]: g["cells"] for g in sensitivity["groups"]}
-    fisher_only = str(sensitivity["damage"].get("method", "")).startswith("fast")
-    if fisher_only:
-        lines[-2:-2] = ["`~`: every damage is the streamed Fisher's estimate (`--scan-method fast`): no cell was "
-                        "measured; the check below measures the artifact itself.", ""]
+    priced_by = signal_of_map(sensitivity)
+    if priced_by is not None:
+        lines[-2:-2] = [f"`~`: every damage is the {priced_by.name} signal's estimate (`--scan-method "
+                        f"{priced_by.name}`): no cell was measured; the check below measures the artifact itself.", ""]
     elif any(c.get("method") == "estimate" for group in cells.values() for c in group.values()):
-        signal = sensitivity.get("adaptive", {}).get("signal", "weight")
-        lines[-2:-2] = [f"`~`: estimated from the {signal} signal (adaptive scan), not measured; every cell that "
+        lines[-2:-2] = [f"`~`: estimated from the {adaptive_signal(sensitivity)} signal (adaptive scan), not measured; every cell that "
                         "could decide the plan at this budget was measured.", ""]
     for g in recipe["groups"]:
-        row = " | ".join(("~" if fisher_only or cells[g["name"]][f].get("method") == "estimate" else "")
+        row = " | ".join(("~" if priced_by is not None or cells[g["name"]][f].get("method") == "estimate" else "")
                          + f"{cells[g['name']][f]['damage']:.5f}" for f in formats)
         stored = " + ".join(stored_types(g))
         lines.append(f"| {g['name']} | {stored} | {format_bytes(g['bytes'])} | {g['damage']:.5f} | {row} |")

@@ -116,7 +116,7 @@ def collect_imatrix(model: str | Path | None = None, calibration: str | Path | N
                     gpu_memory: int | None = None) -> dict:
     """Run the calibration text through the model one layer at a time and write llama.cpp's imatrix; `log`
     hears what it will do and, once the first layer is done, how long the rest should take."""
-    from .calibrate import LayerCalibration
+    from .engine.calibrate import LayerCalibration
     from .paths import guard_output, input_paths, model_paths
     from .schemas import model_header
     from .sources import open_model, runnable
@@ -288,7 +288,7 @@ class ImatrixFile:
     def require(self, formats: dict, source: ModelSource) -> None:
         """Refuse, before anything is written, a file that lacks a tensor whose type cannot round without
         one (the embedding needs none: it is a lookup, weighed equally)."""
-        from .formats.gguf_formats import IMATRIX_TYPES
+        from .formats.ggml_types import IMATRIX_TYPES
 
         shapes = {t.name: t.shape for t in source.tensors()}
         matrices = gguf_tensor_names(source)

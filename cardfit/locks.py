@@ -20,7 +20,7 @@ from .paths import resolved_output
 
 
 def _lock_file(place: Path) -> Path:
-    from .default_model import cache_root
+    from .cache import cache_root
 
     folder = cache_root() / "locks"
     folder.mkdir(parents=True, exist_ok=True)

@@ -53,8 +53,8 @@ def _followed(path: Path) -> Path:
 def model_paths(source) -> list[Path]:
     """What a model source reads: its directory (or file) and, for a materialized GGUF, the GGUF too."""
     paths = input_paths(source.path)
-    for extra in getattr(source, "origins", ()):
-        paths += input_paths(extra)
+    for origin in getattr(source, "origins", ()):
+        paths += input_paths(origin.path)
     return paths
 
 

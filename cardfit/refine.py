@@ -19,7 +19,7 @@ import torch
 
 from .errors import CardfitError
 from .formats import get_format
-from .metrics import DistanceMeter
+from .engine.metrics import DistanceMeter
 from .groups import GroupId
 from .sources import ModelSource
 
@@ -32,10 +32,10 @@ class RecipeMeter:
 
     def __init__(self, source: ModelSource, chunks: torch.Tensor, group_by: str, rounding: str,
                  device: str = "auto", batch: int = 4, dtype: str = "auto"):
-        from .activations import ActivationCache
+        from .engine.activations import ActivationCache
         from .engine import Engine
         from .groups import scan_groups
-        from .measure import Scanner
+        from .scan.measure import Scanner
 
         self.engine = Engine(source, device, dtype)
         self.stream = self.engine.stream

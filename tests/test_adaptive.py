@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from cardfit.adaptive import BAND, deciding_cells, optimist_cells, scaled_estimates, signal_error
-from cardfit.plan import Problem
+from cardfit.scan.adaptive import BAND, deciding_cells, optimist_cells, scaled_estimates, signal_error
+from cardfit.solver import Problem
 
 
 def cell(damage: float, signal: float, measured: bool) -> dict:
@@ -34,7 +34,7 @@ def test_cells_under_the_engine_s_resolution_neither_scale_nor_judge_the_signal(
     arithmetic: with
     it the error would be dominated by a ratio that says nothing of the signal; without it the group's scale and
     the error come from the cells that carry damage."""
-    from cardfit.adaptive import RESOLUTION
+    from cardfit.scan.adaptive import RESOLUTION
 
     tiny = RESOLUTION / 10 * 3.0  # under the share of the largest measured damage (group b's 3.0)
     groups = [{"cells": {"A": cell(math.exp(0.1), 1.0, True), "B": cell(2 * math.exp(-0.1), 2.0, True),
@@ -78,18 +78,18 @@ def test_cells_each_within_the_band_that_together_hide_a_better_plan_are_measure
     not taken; lowered together 0.18 — so both are measured, though neither alone would be."""
     from dataclasses import replace
 
-    from cardfit.plan import _solve
+    from cardfit.solver import optimum
 
     damage = np.array([[0.0, 0.11, 9.0], [0.0, 0.11, 9.0], [0.0, 9.0, 0.19]])
     size = np.array([[2, 1, 1], [2, 1, 1], [3, 2, 1]])
     allowed = np.array([[True, True, False], [True, True, False], [True, False, True]])
     p = Problem(["g0", "g1", "h"], ["big", "small", "tiny"], damage, size, allowed, [])
     estimated, choice, error = {(0, 1), (1, 1)}, [0, 0, 2], 0.1
-    assert list(_solve(p, 5).choice) == choice
+    assert list(optimum(p, 5).choice) == choice
     for g, j in estimated:  # alone, neither enters the plan
         lowered = replace(p, damage=damage.copy())
         lowered.damage[g, j] /= math.exp(BAND * error)
-        assert list(_solve(lowered, 5).choice) == choice
+        assert list(optimum(lowered, 5).choice) == choice
     assert deciding_cells(p, [5], [choice], estimated, error) == {(0, 1), (1, 1)}
     assert optimist_cells(p, [5], estimated, math.exp(BAND * error)) == {(0, 1), (1, 1)}
 
@@ -99,12 +99,12 @@ def test_the_dual_bound_prunes_only_cells_the_plan_would_not_take(monkeypatch):
     exactly those found by solving again for every cell, from fewer solves; the bound is a true lower bound."""
     from dataclasses import replace
 
-    import cardfit.plan
-    from cardfit.adaptive import dual_bound
-    from cardfit.plan import _solve
+    import cardfit.scan.adaptive
+    from cardfit.scan.adaptive import dual_bound
+    from cardfit.solver import optimum
 
     solves = []
-    monkeypatch.setattr(cardfit.plan, "_solve", lambda *a, **k: solves.append(1) or _solve(*a, **k))
+    monkeypatch.setattr(cardfit.scan.adaptive, "optimum", lambda *a, **k: solves.append(1) or optimum(*a, **k))
     rng = np.random.default_rng(7)
     bits = np.array([8.5, 6.56, 5.5, 4.5, 3.44, 2.63])
     solved_for_every_cell = 0
@@ -117,7 +117,7 @@ def test_the_dual_bound_prunes_only_cells_the_plan_would_not_take(monkeypatch):
         tied = [[0, 1]] if trial % 3 == 0 else []
         p = Problem([f"g{i}" for i in range(g)], [f"f{j}" for j in range(6)], damage, size, allowed, tied)
         budget = int(size[:, -1].sum() + rng.random() * (size[:, 0].sum() - size[:, -1].sum()))
-        choice = _solve(p, budget).choice
+        choice = optimum(p, budget).choice
         lam, least = dual_bound(p, budget)
         assert least.sum() - lam * budget <= sum(damage[i, c] for i, c in enumerate(choice)) + 1e-15
         estimated = {(i, j) for i in range(g) for j in range(6)} - {(i, c) for i, c in enumerate(choice)}
@@ -126,14 +126,14 @@ def test_the_dual_bound_prunes_only_cells_the_plan_would_not_take(monkeypatch):
         for i, j in estimated:
             lowered = replace(p, damage=damage.copy())
             lowered.damage[i, j] = damage[i, j] / math.exp(BAND * error)
-            solved = _solve(lowered, budget)
+            solved = optimum(lowered, budget)
             if allowed[i, j] and solved is not None and solved.choice[i] == j:
                 brute.add((i, j))
         found = deciding_cells(p, [budget], [choice], estimated, error)
         assert found == brute | optimist_cells(p, [budget], estimated, math.exp(BAND * error)), trial
         before = len(solves)
         with monkeypatch.context() as large:  # a plan too large to solve per cell: the bound alone (a superset)
-            large.setattr("cardfit.adaptive.SOLVE_CELLS", 0)  # and the optimist's one solve
+            large.setattr("cardfit.scan.adaptive.SOLVE_CELLS", 0)  # and the optimist's one solve
             assert deciding_cells(p, [budget], [choice], estimated, error) >= brute and len(solves) == before + 1
         solved_for_every_cell += len(estimated)
     assert len(solves) < solved_for_every_cell / 2

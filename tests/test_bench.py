@@ -32,12 +32,12 @@ def test_bench_measures_and_the_context_is_the_edge(tiny_model, tmp_path, run_cl
 
 def test_a_bad_vram_is_refused_before_the_artifact_is_loaded(tiny_model, tmp_path, monkeypatch, run_cli):
     """--vram is read before the load and the timed runs (it was read after them: a typo cost the whole bench)."""
-    import cardfit.runtimes
+    import cardfit.targets.runtimes
 
     model_dir = tiny_model("llama")
     artifact = tmp_path / "q8.gguf"
     pack(uniform_recipe(open_model(model_dir), "Q8_0"), model_dir, artifact, progress=False, smoke=False)
     loads = []
-    monkeypatch.setattr(cardfit.runtimes, "load_llama", lambda *a, **k: loads.append(a) or 1 / 0)
+    monkeypatch.setattr(cardfit.targets.runtimes, "load_llama", lambda *a, **k: loads.append(a) or 1 / 0)
     code, _, err = run_cli("bench", artifact, "--vram", "twelve gigs")
     assert code == 2 and "--vram" in err and loads == []

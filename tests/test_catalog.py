@@ -129,7 +129,7 @@ def _remembered(path: Path) -> dict:
     """The entries of the hash memo for this file (any version of its inode)."""
     import json
 
-    from cardfit.default_model import cache_root
+    from cardfit.cache import cache_root
 
     index = cache_root() / "gguf" / "hashes.json"
     if not index.exists():
@@ -190,7 +190,7 @@ def test_verify_finds_in_place_corruption_removes_the_file_and_its_memo(placed, 
     assert "removed" in lines[0] and "remembered hash" in lines[0]
     assert lines[0].endswith(f"— run: cardfit models get {model.name} to fetch it again")
     assert not model.path().exists()
-    from cardfit.default_model import cache_root
+    from cardfit.cache import cache_root
     assert inode not in (cache_root() / "gguf" / "hashes.json").read_text()
     code, out, err = run_cli("models", "verify", model.name)  # gone now: says how to fetch it
     assert code == 2 and len(err.strip().splitlines()) == 1 and f"cardfit models get {model.name}" in err

@@ -78,7 +78,7 @@ def test_compare_meets_each_preset_and_baseline_at_equal_bytes(tiny_model, tmp_p
 def test_compare_with_imatrix_rounds_both_sides_and_measures_speed(tiny_model, tmp_path, calib_text):
     from cardfit.compare import compare
     from cardfit.maps import read_map
-    from cardfit.shelf import llama_quantize
+    from cardfit.targets.shelf import llama_quantize
 
     model_dir = tiny_model("llama-wide")
     out = tmp_path / "cmp"

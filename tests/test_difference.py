@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from cardfit.difference import DifferenceLayer, unsupported
+from cardfit.engine.difference import DifferenceLayer, unsupported
 from cardfit.engine import DIFFERENCES, Engine, Track, resolve_compute
 from cardfit.errors import CardfitError
 from cardfit.groups import GroupId
@@ -59,7 +59,7 @@ def test_a_small_change_survives_difference_form_and_not_bfloat16_layers(tiny_mo
 
 
 def test_auto_is_differences_only_where_bfloat16_is_fast(monkeypatch):
-    from cardfit import difference
+    from cardfit.engine import difference
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(difference, "fast_bfloat16", lambda device: True)
@@ -99,7 +99,7 @@ def test_layers_that_cannot_be_checked_run_whole_in_float32(tiny_models, monkeyp
     """A layer form difference.py does not write out (Gemma 3's), or a reference pass that does not
     reproduce the layer's own output (here: a tolerance nothing meets), runs the tracks whole in float32,
     the same bits as without a reference, and says so once; a checked Llama layer runs in difference form."""
-    from cardfit import difference
+    from cardfit.engine import difference
 
     lines = []
     whole, differing = _walks(tiny_models["llama"], lines.append)
@@ -119,7 +119,7 @@ def test_difference_maps_are_the_same_bits_whatever_walks_them(tiny_models, tmp_
     not depend on which tracks share its walk: one round per layer and one round for all give the same map.
     It reads layers fewer times than a walk per group, and stays within 1 % and two standard errors of the
     float32 map (the Q8_0 cells of these random models are ~1e-7 nats, near float32's own noise)."""
-    from cardfit import measure
+    from cardfit.scan import measure
     from cardfit import scan as scan_module
 
     maps, loads = {}, {}

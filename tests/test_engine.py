@@ -117,7 +117,7 @@ def test_estimate_reads_resident_layers_once_and_overlaps_rounding(tiny_models, 
     the reference pass alone; with the next sweep rounded ahead, a group costs the longer of its rounding
     and its sweeps, not their sum."""
     from cardfit import engine as engine_module
-    from cardfit import estimate as estimate_module
+    from cardfit.scan import estimate as estimate_module
     from cardfit import scan as scan_module
 
     units = {"layer_read": 1.0, "layer_forward": 0.25, "head_forward": 0.5,
@@ -177,7 +177,7 @@ def test_cuda_scan_map_matches_the_cpu_map_within_stderr(tiny_models, tmp_path, 
 def test_cuda_head_in_difference_form_rounds_only_the_change():
     """difference.head_change on CUDA (bfloat16 inputs, float32 out): each logit's error is a small fraction
     of its change, not of the logit."""
-    from cardfit.difference import head_change
+    from cardfit.engine.difference import head_change
 
     g = torch.Generator().manual_seed(0)
     weight, n = torch.randn(50000, 256, generator=g) * 0.05, torch.randn(1, 64, 256, generator=g)
@@ -240,11 +240,11 @@ def test_a_round_of_groups_walks_once_and_gives_each_group_s_own_bits(tiny_model
     with each layer read once per walk (plus the own sweeps of the embedding and an untied head); a walk
     too small for two groups splits by group, never inside one, and still gives the same bits. Per-tensor
     groups share their layer's walk; imatrix rounding computes each group's statistics at its layer."""
-    from cardfit.activations import ActivationCache
+    from cardfit.engine.activations import ActivationCache
     from cardfit.formats import parse_formats
     from cardfit.groups import EMBED, LM_HEAD
     from cardfit.groups import scan_groups
-    from cardfit.measure import Scanner, measure_group, measure_round
+    from cardfit.scan.measure import Scanner, measure_group, measure_round
 
     source = open_model(tiny_models[kind], run=True)
     engine = Engine(source, "cpu")
@@ -277,7 +277,7 @@ def test_the_logits_slice_does_not_change_a_cell(tiny_models, tmp_path, calib_te
     """The head's logits are computed `positions` at a time (256, for the matmul's speed; 64 under a memory
     cap): every cell's damage and top-1 are the same bits whatever the slice, only the reference's summed
     NLL may differ in its last place (it is summed slice by slice)."""
-    from cardfit import measure
+    from cardfit.scan import measure
     from cardfit import scan as scan_module
 
     maps = {}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cardfit.fisher import streamed_fisher
+from cardfit.scan.signals.fisher import streamed_fisher
 from cardfit.sources import open_model
 from cardfit.text import token_chunks
 
@@ -127,7 +127,8 @@ def _heavy_matrix(rows, columns, seed=0):
 def test_a_block_cut_from_its_matrix_rounds_as_inside_it(storage):
     """The premise of pricing from a sample of blocks: without an importance matrix ggml rounds each of a
     type's blocks apart from its neighbours, so blocks cut out come back the same bits."""
-    from cardfit.formats.gguf_formats import GGML_BLOCKS, ggml_roundtrip
+    from cardfit.formats.gguf_formats import ggml_roundtrip
+    from cardfit.formats.ggml_types import GGML_BLOCKS
 
     unit = GGML_BLOCKS[storage][0]
     weight, _ = _heavy_matrix(64, 1024)
@@ -139,8 +140,8 @@ def test_a_block_cut_from_its_matrix_rounds_as_inside_it(storage):
 def test_a_sample_of_every_block_is_the_whole_price(monkeypatch):
     """Drawing every block (certain inclusion) gives the whole round trip's price; the sampled path is the
     one taken (the floor lowered so this matrix is sampled)."""
-    from cardfit import sampling
-    from cardfit.fisher import predicted_kl, sampled_kl
+    from cardfit.scan.signals import sampling
+    from cardfit.scan.signals.fisher import predicted_kl, sampled_kl
     from cardfit.formats.gguf_formats import ggml_roundtrip
 
     weight, fisher = _heavy_matrix(256, 1024)
@@ -155,8 +156,8 @@ def test_a_sixteenth_of_the_blocks_prices_the_matrix_within_a_few_percent(storag
     """On a matrix with outlier columns and a heavy-tailed Fisher, one block in sixteen, drawn where its
     error is expected and weighted by the inverse of its chance, prices the whole within 5 % under several
     draws (an unweighted sum would be a sixteenth of it)."""
-    from cardfit import sampling
-    from cardfit.fisher import predicted_kl, sampled_kl
+    from cardfit.scan.signals import sampling
+    from cardfit.scan.signals.fisher import predicted_kl, sampled_kl
     from cardfit.formats.gguf_formats import ggml_roundtrip
 
     weight, fisher = _heavy_matrix(1024, 2048)
@@ -170,8 +171,8 @@ def test_a_sixteenth_of_the_blocks_prices_the_matrix_within_a_few_percent(storag
 
 
 def test_the_cheap_signal_samples_only_large_block_quantized_matrices():
-    from cardfit.fisher import sampled
-    from cardfit.sampling import SAMPLE_FLOOR
+    from cardfit.scan.signals.fisher import sampled
+    from cardfit.scan.signals.sampling import SAMPLE_FLOOR
 
     assert sampled("IQ4_XS", 2 * SAMPLE_FLOOR) and sampled("Q4_K", 10 * SAMPLE_FLOOR)
     assert not sampled("IQ4_NL", 2 * SAMPLE_FLOOR - 1) and not sampled("F16", 100 * SAMPLE_FLOOR)
@@ -181,8 +182,8 @@ def test_the_cheap_signal_samples_only_large_block_quantized_matrices():
 def test_the_fast_scan_prices_large_matrices_from_a_sample(tiny_model, tmp_path, monkeypatch):
     """With the floor lowered below the tiny model's matrices, the fast scan's cells come from sampled_kl
     (each matrix once per distinct rounding) and stay within a few percent of the whole round trips' cells."""
-    from cardfit import fisher as fisher_module
-    from cardfit import sampling
+    from cardfit.scan.signals import fisher as fisher_module
+    from cardfit.scan.signals import sampling
     from cardfit.scan import scan
 
     model_dir, text = tiny_model("llama"), small_text(tmp_path)
@@ -203,8 +204,8 @@ def test_a_sample_of_every_row_is_the_whole_price_under_an_imatrix(monkeypatch):
     """A rounding with statistics treats each row apart, so its price comes from a sample of rows: drawing
     every row gives the whole round trip's price; the default draw (a quarter of these 1,024 rows, the
     floor's 2^18 values) stays within 5 % under several seeds."""
-    from cardfit import sampling
-    from cardfit.fisher import predicted_kl, sampled_rows_kl
+    from cardfit.scan.signals import sampling
+    from cardfit.scan.signals.fisher import predicted_kl, sampled_rows_kl
     from cardfit.formats import parse_formats
     from cardfit.formats.base import Calibration
 
@@ -231,8 +232,8 @@ def test_the_fast_scan_prices_imatrix_rounding_with_the_walk_s_statistics(tiny_m
     imatrix`'s), not RTN's; an i-quant that cannot round without one is priced in an RTN scan too."""
     import gguf
 
-    from cardfit.calibrate import rounding_statistics
-    from cardfit.fisher import predicted_kl, streamed_fisher
+    from cardfit.engine.calibrate import rounding_statistics
+    from cardfit.scan.signals.fisher import predicted_kl, streamed_fisher
     from cardfit.formats import parse_formats
     from cardfit.imatrix import collect_imatrix
     from cardfit.scan import scan
@@ -269,7 +270,7 @@ def test_the_fast_scan_prices_imatrix_rounding_with_the_walk_s_statistics(tiny_m
 def test_rows_without_fisher_are_never_rounded():
     """An embedding's rows of tokens the calibration never holds have zero Fisher: they cost nothing, so only
     the other rows are rounded, and the price is the whole matrix's."""
-    from cardfit.fisher import predicted_kl, sampled_rows_kl
+    from cardfit.scan.signals.fisher import predicted_kl, sampled_rows_kl
     from cardfit.formats import parse_formats
 
     weight, fisher = _heavy_matrix(4096, 256)

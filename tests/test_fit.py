@@ -24,7 +24,7 @@ def test_fit_leaves_every_artifact(embedded_fit):
 
 
 def test_fit_artifact_fits_loads_generates_and_passes_check(embedded_fit):
-    from cardfit.runtimes import load_llama
+    from cardfit.targets.runtimes import load_llama
 
     out, summary = embedded_fit
     recipe = summary["recipe"]
@@ -54,7 +54,7 @@ def test_fit_artifact_fits_loads_generates_and_passes_check(embedded_fit):
 def test_rerun_skips_finished_stages(embedded_fit, monkeypatch):
     import importlib
 
-    from cardfit.runner import StreamedModel
+    from cardfit.engine.streamed import StreamedModel
 
     fit_module = importlib.import_module("cardfit.fit")
     pack_module = importlib.import_module("cardfit.pack")
@@ -306,7 +306,7 @@ def test_fit_scan_method_fast_plans_on_the_fisher_alone(tiny_models, tmp_path, m
     """`fit --scan-method fast --method imatrix --size A,B`: the whole menu priced by the Fisher under imatrix
     rounding, no cell measured, the walk's imatrix packs both sizes, each file no larger than its size; a rerun
     keeps the map as begun."""
-    from cardfit import measure
+    from cardfit.scan import measure
     from cardfit.fit import fit
 
     def no_measuring(*args, **kwargs):

@@ -88,7 +88,7 @@ def test_bit_identical_to_llama_cpp_quantize_on_real_tensors(type_name, packaged
     imatrix must carry the same type (fallbacks included) and the same bytes."""
     import gguf
 
-    from cardfit.shelf import llama_quantize
+    from cardfit.targets.shelf import llama_quantize
 
     path, source = packaged
     imatrix = _imatrix_for(type_name, source, IMATRIX_TENSORS, seed=0)
@@ -176,7 +176,7 @@ def test_fallback_rule_is_the_bundled_llama_cpp_s(type_name, odd_rows_gguf, tmp_
     type, each tensor of a model with rows of 256, 96 and 40 gets llama.cpp's stored type and bytes."""
     import gguf
 
-    from cardfit.shelf import llama_quantize
+    from cardfit.targets.shelf import llama_quantize
 
     source = {t.name: t for t in gguf.GGUFReader(str(odd_rows_gguf)).tensors}
     imatrix = _imatrix_for(type_name, source, [], seed=3)
@@ -269,7 +269,7 @@ def random_gguf(packaged, tmp_path_factory):
 def test_bit_identical_to_llama_cpp_quantize_on_random_tensors(type_name, random_gguf, tmp_path):
     import gguf
 
-    from cardfit.shelf import llama_quantize
+    from cardfit.targets.shelf import llama_quantize
 
     source = {t.name: t for t in gguf.GGUFReader(str(random_gguf)).tensors}
     name_im = "blk.1.ffn_down.weight"
@@ -291,8 +291,8 @@ def test_the_imatrix_types_are_the_ones_llama_cpp_refuses_without_one(odd_rows_g
     refuses each without an imatrix and takes every other menu type; cardfit refuses in one line where
     ggml would abort the process."""
     from cardfit.errors import CardfitError
-    from cardfit.formats.gguf_formats import IMATRIX_TYPES
-    from cardfit.shelf import llama_quantize
+    from cardfit.formats.ggml_types import IMATRIX_TYPES
+    from cardfit.targets.shelf import llama_quantize
 
     assert {t for t in GGUF_TYPES if ggml_lib.requires_imatrix(t)} <= set(IMATRIX_TYPES)
     for type_name in ("IQ4_XS", "MXFP4", "IQ3_S", "Q2_K"):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from cardfit import head_kl
-from cardfit.head_kl import slice_kl, summarize
-from cardfit.metrics import kl_from_logprobs, token_kl
+from cardfit.engine import head_kl
+from cardfit.engine.head_kl import slice_kl, summarize
+from cardfit.engine.metrics import kl_from_logprobs, token_kl
 
 
 def _head(hidden=96, vocab=4000, positions=48, seed=0, bias=False):
@@ -47,8 +47,8 @@ def test_a_cell_with_its_head_in_difference_form_reads_as_float64_does(scale, bi
     input from bfloat16 inputs; against the summary with the rounded head's tail rows (difference_slice_kl)
     the KL stays within 0.3 % of float64's, where the same bfloat16 product of the whole input misses by far
     more (the rounding is then relative to each logit, not to its change)."""
-    from cardfit.difference import head_change
-    from cardfit.head_kl import difference_slice_kl
+    from cardfit.engine.difference import head_change
+    from cardfit.engine.head_kl import difference_slice_kl
 
     weight, b, n_ref, g = _head(bias=bias)
     n_q = n_ref + scale * torch.randn(n_ref.shape, generator=g) * n_ref.std()
@@ -80,7 +80,7 @@ def test_the_head_s_product_rounds_its_inputs_whether_or_not_onednn_takes_the_hi
     tail rows of the summary."""
     import contextlib
 
-    from cardfit import difference
+    from cardfit.engine import difference
 
     weight, _, normed, g = _head(hidden=256, positions=rows)
     change = (1e-3 * torch.randn(normed.shape, generator=g)).to(torch.bfloat16).float()
@@ -187,7 +187,7 @@ def test_a_one_position_slice_is_the_same_bits_on_any_number_of_threads(tiny_mod
                                                                        monkeypatch):
     """Sequences of 33 in slices of 16 leave a slice of one position, whose vocabulary-wide sums torch
     would split across threads; the maps made on 1 and 2 threads are the same bytes."""
-    from cardfit import measure
+    from cardfit.scan import measure
     from cardfit import scan as scan_module
 
     monkeypatch.setattr(measure, "LOGIT_POSITIONS", 16)

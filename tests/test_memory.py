@@ -20,7 +20,7 @@ import json, sys
 from pathlib import Path
 import cardfit.pack, llama_cpp
 from cardfit.formats import ggml_lib
-from cardfit.runner import StreamedModel
+from cardfit.engine.streamed import StreamedModel
 from cardfit.sources import open_model
 from transformers import AutoTokenizer
 
@@ -98,7 +98,7 @@ def test_fast_scan_streams_the_fisher_in_less_than_the_model(default_model_dir, 
     a gradient slice or the round trip) and once more at two bytes a weight (the source's pages as they
     are read, the round trip's packed bytes), the activations and two logits chunks: less than the model
     in float32, which the whole-model way held three times over."""
-    from cardfit.fisher import LOGIT_ROWS
+    from cardfit.scan.signals.fisher import LOGIT_ROWS
     from cardfit.sources import open_model
 
     source = open_model(default_model_dir)

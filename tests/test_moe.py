@@ -92,7 +92,7 @@ def test_cells_equal_the_slow_way_through_transformers(tiny_model, tmp_path, cal
     from transformers import AutoTokenizer
 
     from cardfit.formats import get_format
-    from cardfit.metrics import token_kl
+    from cardfit.engine.metrics import token_kl
     from cardfit.scan import scan
     from cardfit.text import token_chunks
 

@@ -15,7 +15,7 @@ from cardfit.sources import open_model
 
 
 def llama_cpp_logits(path, ids):
-    from cardfit.runtimes import GgufRuntime
+    from cardfit.targets.runtimes import GgufRuntime
 
     runtime = GgufRuntime(path, n_ctx=64)
     try:
@@ -121,7 +121,7 @@ def test_planned_recipe_file_fits_its_budget_and_bytes_match_the_plan(tiny_model
 
 def test_uniform_tensors_are_the_bytes_llama_cpp_quantize_writes(default_model_dir, tmp_path):
     """Our F16 GGUF is our 'convert'; llama.cpp's own quantize on it must give our quantized file, bit for bit."""
-    from cardfit.shelf import llama_quantize
+    from cardfit.targets.shelf import llama_quantize
 
     source = open_model(default_model_dir)
     pack(uniform_recipe(source, "F16"), default_model_dir, tmp_path / "f16.gguf", progress=False, smoke=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cardfit.errors import CardfitError
-from cardfit.plan import Problem, _solve, frontier, minimum_bytes, solve
+from cardfit.solver import Problem, frontier, minimum_bytes, optimum, solve
 
 
 def random_problem(rng, groups, formats):
@@ -37,7 +37,7 @@ def test_plan_equals_brute_force_on_200_random_instances():
         lo, hi = problem.bytes.min(axis=1).sum(), problem.bytes.max(axis=1).sum()
         budget = int(rng.integers(lo - 500, hi + 1))
         expected = brute_force(problem, budget)
-        got = _solve(problem, budget)
+        got = optimum(problem, budget)
         if expected is None:
             assert got is None
         else:
@@ -60,7 +60,7 @@ def test_same_format_constraint_holds():
     problem = random_problem(rng, 4, 3)
     problem.same_format = [[0, 1, 2]]
     budget = int(problem.bytes.mean(axis=1).sum())
-    sol = _solve(problem, budget)
+    sol = optimum(problem, budget)
     assert sol.choice[0] == sol.choice[1] == sol.choice[2]
 
 
@@ -187,7 +187,7 @@ def test_the_solver_is_quiet_and_the_terminal_is_not(capfd):
     even from C's buffer; what is printed before and after it does."""
     import ctypes
 
-    from cardfit.plan import solver_quiet
+    from cardfit.solver import solver_quiet
 
     libc = ctypes.CDLL(None)
     print("before", flush=True)

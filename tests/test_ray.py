@@ -179,7 +179,7 @@ def test_local_cluster_and_shared_dir_give_the_same_map(tiny_model, tmp_path):
 
 
 def test_projection_schedules_longest_first():
-    from cardfit.estimate import ScanEstimate
+    from cardfit.scan.estimate import ScanEstimate
 
     guess = ScanEstimate(0, 0, 0, 0, 0.0, 0, 0, 0, 0.0, 0.0, {}, reference_seconds=10.0,
                          group_seconds=[8.0, 7.0, 6.0, 5.0, 4.0])

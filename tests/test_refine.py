@@ -8,7 +8,7 @@ import torch
 
 def _plain_kl(model_dir, chunks, assignment, data):
     """The recipe measured the simple way: every quantized tensor held at once, whole-model forwards."""
-    from cardfit.evaluate import measure
+    from cardfit.engine.evaluate import measure
     from cardfit.formats import get_format
     from cardfit.engine import Engine
     from cardfit.sources import open_model

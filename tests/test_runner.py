@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cardfit.evaluate import measure
+from cardfit.engine.evaluate import measure
 from cardfit.formats import get_format, is_decoder_linear
-from cardfit.metrics import DistanceMeter, token_kl
+from cardfit.engine.metrics import DistanceMeter, token_kl
 from cardfit.quant.model import quantize_model
 from cardfit.engine import Engine
 from cardfit.sources import open_model
@@ -69,7 +69,7 @@ def test_quantize_model_assigns_every_decoder_linear(tiny_models):
 def test_gptq_and_awq_beat_rtn_on_the_real_model(default_model_dir):
     from transformers import AutoTokenizer
 
-    from cardfit.evaluate import reference_logits
+    from cardfit.engine.evaluate import reference_logits
     from cardfit.text import load_text, token_chunks
 
     source = open_model(default_model_dir)
@@ -91,7 +91,7 @@ def test_logits_and_kl_written_into_buffers_are_the_same_bits(tiny_model, kind):
     """The scan's head writes each slice's logits and KL temporaries into buffers it keeps; the bits
     must be those of the out-of-place path, or maps would change (untied, tied, soft-capped heads; a
     quantized head through logits_with)."""
-    from cardfit.metrics import kl_from_logprobs
+    from cardfit.engine.metrics import kl_from_logprobs
 
     source = open_model(tiny_model(kind))
     engine = Engine(source, "cpu")

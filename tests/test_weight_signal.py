@@ -9,7 +9,7 @@ import torch
 from cardfit.errors import CardfitError
 from cardfit.formats import get_format
 from cardfit.scan import scan
-from cardfit.weight_signal import token_frequencies, weighted_error
+from cardfit.scan.signals.weight import token_frequencies, weighted_error
 
 from test_scan import FORMATS, run_scan, small_text
 
@@ -256,8 +256,8 @@ class _Tensor:
 
 
 def test_a_sample_of_every_row_is_the_whole_price(monkeypatch):
-    from cardfit import sampling
-    from cardfit.weight_signal import tensor_error
+    from cardfit.scan.signals import sampling
+    from cardfit.scan.signals.weight import tensor_error
 
     weight, imatrix = _imatrix_matrix(256, 1024)
     rows = torch.rand(256, dtype=torch.float64)
@@ -277,8 +277,8 @@ def test_a_sample_of_every_row_is_the_whole_price(monkeypatch):
 def test_a_sixteenth_of_the_rows_prices_the_matrix_within_a_few_percent(type_name, monkeypatch):
     """One row in sixteen, drawn where its imatrix-weighted error is expected and weighted by the inverse of
     its chance, prices the whole within 5 % under several draws; the draws differ by seed."""
-    from cardfit import sampling
-    from cardfit.weight_signal import tensor_error
+    from cardfit.scan.signals import sampling
+    from cardfit.scan.signals.weight import tensor_error
 
     weight, imatrix = _imatrix_matrix(2048, 1024)
     monkeypatch.setattr(sampling, "SAMPLE_FLOOR", 1 << 14)  # so 1/16 of this matrix is what is drawn
@@ -301,8 +301,8 @@ def test_a_sixteenth_of_the_rows_prices_the_matrix_within_a_few_percent(type_nam
 def test_a_matrix_the_sample_cannot_decide_is_priced_whole(monkeypatch):
     """A tensor stored on a grid and re-rounded onto it costs ~0 but in a few rows; a sample catches or misses
     them, its stated error says so, and the whole matrix is priced instead (exactly)."""
-    from cardfit import sampling
-    from cardfit.weight_signal import tensor_error
+    from cardfit.scan.signals import sampling
+    from cardfit.scan.signals.weight import tensor_error
 
     weight, imatrix = _imatrix_matrix(2048, 1024)
     fmt, stats = get_format("Q4_0"), _Columns(imatrix)
@@ -319,8 +319,8 @@ def test_a_matrix_the_sample_cannot_decide_is_priced_whole(monkeypatch):
 def test_the_weight_scan_prices_large_matrices_from_a_sample_of_rows(tiny_models, tmp_path, monkeypatch):
     """With the floor lowered below the tiny model's matrices, every weight cell comes from a sample of rows
     and stays within a few percent of the whole round trips'."""
-    from cardfit import sampling
-    from cardfit import weight_signal
+    from cardfit.scan.signals import sampling
+    from cardfit.scan.signals import weight as weight_signal
 
     model, text = tiny_models["qwen2"], small_text(tmp_path)
     whole = run_scan(model, text, tmp_path / "whole.json", method="weight", rounding="imatrix")
@@ -340,7 +340,7 @@ def test_a_first_quarter_draw_prices_alone_where_it_decides_and_the_full_draw_fo
     """sampled_or_whole draws a quarter of the sample first (the same seeded uniforms, so its units are among the
     full draw's): stated within MAX_RELATIVE_ERROR it is the price, no more is rounded; otherwise the full sample,
     then the whole."""
-    from cardfit import sampling
+    from cardfit.scan.signals import sampling
 
     guide = torch.rand(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.5
     asked = []
@@ -363,7 +363,7 @@ def test_a_first_quarter_draw_prices_alone_where_it_decides_and_the_full_draw_fo
 def test_a_draw_of_nothing_or_an_unscaled_row_is_never_a_price(monkeypatch):
     """A row no ggml scale divides (stored F16) gets a per-value guide rather than a crash; a draw that takes no
     unit states an unbounded error, so the caller prices the whole."""
-    from cardfit import sampling
+    from cardfit.scan.signals import sampling
 
     weight = torch.randn(600, 1000)
     assert sampling.scale_guide(weight, torch.rand(1000)).shape == (600,)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..errors import CardfitError
 from .base import Calibration, Format
-from .gguf_formats import GGML_BLOCKS, GGUF_TYPES, GgmlFormat
+from .ggml_types import GGML_BLOCKS, GGUF_TYPES
+from .gguf_formats import GgmlFormat
 from .int_formats import DenseFormat, IntGroupFormat, is_decoder_linear, is_packed_matrix
 from .reference_formats import Int8RowFormat, Nf4Format
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CardfitError
-from .gguf_formats import GGML_BLOCKS, SEARCHED_TYPES, ggml_type
+from .ggml_types import GGML_BLOCKS, SEARCHED_TYPES, ggml_type
 
 
 class _TypeTraits(ctypes.Structure):

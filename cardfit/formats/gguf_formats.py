@@ -11,20 +11,10 @@ import gguf
 import numpy as np
 import torch
 
+from . import ggml_lib
 from .base import Calibration, Format, numel
+from .ggml_types import GGML_BLOCKS, IMATRIX_TYPES
 
-# cardfit's menu: the ggml types it offers for llama.cpp, best first. The one list of their names.
-GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL",
-              "MXFP4", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
-# The types llama.cpp's quantize refuses without an importance matrix (src/llama-quant.cpp, "Missing importance
-# matrix for tensor ... in a very low-bit quantization"); ggml's own quantizer aborts on IQ2_XXS, IQ2_XS and
-# IQ1_S (ggml_quantize_requires_imatrix). tests/test_formats.py checks both against the bundled llama.cpp.
-IMATRIX_TYPES = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
-STORAGE_TYPES = ("F32",) + GGUF_TYPES  # what a tensor cardfit writes can be stored as (1-D tensors stay F32)
-# The i-quants: ggml rounds each block by a search (IQ4_NL and IQ4_XS try 16 scales per 32 values,
-# quantize_row_iq4_nl_impl; the lower ones a lattice of grid points), about 6 M values a second a core against
-# 50-200 M for the other types (bench/roundtrip_costs.py): the cheap signal prices them from a sample of blocks.
-SEARCHED_TYPES = tuple(name for name in GGUF_TYPES if name.startswith("IQ"))
 
 
 def _router_pattern():
@@ -42,13 +32,6 @@ def _router_pattern():
 ROUTER = _router_pattern()
 
 
-def ggml_type(type_name: str) -> gguf.GGMLQuantizationType:
-    """The ggml type (enum ggml_type) of a type name, from gguf-py."""
-    return gguf.GGMLQuantizationType[type_name]
-
-
-# type -> (block elements, bytes per block): gguf-py's GGML_QUANT_SIZES for the types cardfit stores.
-GGML_BLOCKS = {name: gguf.GGML_QUANT_SIZES[ggml_type(name)] for name in STORAGE_TYPES}
 
 
 # llama.cpp's file types whose base ggml type is not the one their name says (llama_model_quantize_impl's
@@ -126,8 +109,6 @@ class GgmlFormat(Format):
     def quantize(self, name: str, weight: torch.Tensor, calibration: Calibration | None = None,
                  method: str = "rtn") -> tuple[str, np.ndarray]:
         """(storage type, raw bytes) exactly as llama.cpp's quantize would write them."""
-        from . import ggml_lib
-
         storage = self.storage(name, tuple(weight.shape))
         rows = weight.detach().to("cpu", torch.float32).reshape(-1, weight.shape[-1]).numpy()
         if storage == "F32":
@@ -157,8 +138,6 @@ class GgmlFormat(Format):
 
 
 def _dequantized(storage: str, raw: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    from . import ggml_lib
-
     rows = numel(tuple(like.shape)) // like.shape[-1]
     values = ggml_lib.dequantize(storage, raw, (rows, like.shape[-1]))
     return torch.from_numpy(values).reshape(like.shape).to(like.device)
@@ -168,8 +147,6 @@ def ggml_roundtrip(storage: str, rows: torch.Tensor) -> torch.Tensor:
     """`rows` (n, row length) stored as the ggml type `storage` itself and read back, RTN: for a caller that
     rounds blocks cut from a matrix (ggml rounds every block of a row apart from the others without an
     importance matrix, so a block comes back as it would inside its matrix; tests/test_fisher.py)."""
-    from . import ggml_lib
-
     flat = rows.detach().to("cpu", torch.float32).contiguous()
     return _dequantized(storage, ggml_lib.quantize(storage, flat.numpy()), flat)
 

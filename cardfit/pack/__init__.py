@@ -103,7 +103,7 @@ def pack(recipe: str | Path | dict, model: str | Path | None = None, out: str | 
     finally:
         if bar:
             bar.close()
-    from ..calibrate import unvisited_warning
+    from ..engine.calibrate import unvisited_warning
 
     warnings = result["warnings"] + unvisited_warning(getattr(calib, "unvisited", []))
     # What the budget holds: the whole GGUF file; for compressed-tensors the weights (headers stay on the host).
@@ -160,7 +160,7 @@ def render_pack(report: dict) -> str:
 def _calibration(source, methods: set[str], calibration, max_tokens, seq_len, device, gpu_memory=None):
     if not methods:
         return None
-    from ..calibrate import LayerCalibration
+    from ..engine.calibrate import LayerCalibration
     from ..text import load_text, load_tokenizer, token_chunks
 
     text, path = load_text(calibration)

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..errors import CardfitError
 from ..formats import GgmlFormat
-from ..formats.gguf_formats import ggml_tensor_bytes, ggml_type, llama_file_type
+from ..formats.ggml_types import ggml_type
+from ..formats.gguf_formats import ggml_tensor_bytes, llama_file_type
 from ..groups import LM_HEAD, GroupId, expert_stack, group_of
 from ..sources import ModelSource
 from .gguf_arch import ArchSpec

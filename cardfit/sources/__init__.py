@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import CardfitError
 from .base import EMBED, LM_HEAD, NORM, OTHER, ModelSource, TensorInfo, group_of, group_sort_key
-from .gguf_file import GgufSource, converted_source
+from .gguf_file import GgufOrigin, GgufSource, converted_source
 from .hf_dir import HfDirectorySource
 
 __all__ = ["open_model", "runnable", "locate", "converted_source", "resolve_hub_id", "ModelSource", "TensorInfo", "HfDirectorySource", "GgufSource",
@@ -38,7 +38,7 @@ def open_model(spec: str | Path | None = None, run: bool = False) -> ModelSource
     if spec is None or str(spec) == "default":
         from ..default_model import default_gguf
 
-        source.origins = (default_gguf(),)  # the packaged Q4_1 GGUF it was converted from
+        source.origins = (GgufOrigin(default_gguf()),)  # the packaged Q4_1 GGUF it was converted from
     return source
 
 

@@ -186,7 +186,7 @@ class ModelSource:
     def stored_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
-    origins: tuple = ()  # files this model was converted from (a GGUF): read, never written
+    origins: tuple = ()  # the GGUFs this model was converted from (gguf_file.GgufOrigin): read, never written
 
     def embedding_rows(self) -> int | None:
         """How many token ids the model has an embedding row for (None: no token embedding found)."""
@@ -199,9 +199,8 @@ class ModelSource:
             return {}
         if getattr(self, "_origin_types", None) is None:
             from ..pack.gguf_arch import ArchSpec
-            from .gguf_file import GgufSource
 
-            stored = {t.name: t.dtype for t in GgufSource(self.origins[0]).tensors()}
+            stored = {t.name: t.dtype for t in self.origins[0].tensors()}
             try:
                 spec = ArchSpec.for_config(self.config)
             except CardfitError:  # an architecture cardfit does not name for llama.cpp: its grid unknown
@@ -223,9 +222,7 @@ class ModelSource:
         its own dtypes. compare prints them beside every recipe (docs/benchmarks.md, the quantized source)."""
         tensors = self.tensors()
         if self.origins:
-            from .gguf_file import GgufSource
-
-            tensors = GgufSource(self.origins[0]).tensors()
+            tensors = self.origins[0].tensors()
         weight: dict[str, dict[str, int]] = {}
         for t in tensors:
             if len(t.shape) >= 2:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shutil
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -21,8 +22,12 @@ import numpy as np
 import torch
 
 from ..architecture import geometry_from_config
+from ..atomic import atomic_directory, write_json
+from ..cache import cache_root
 from ..errors import CardfitError
+from ..text import load_tokenizer
 from .base import ModelSource, TensorInfo, group_of
+from .hf_dir import HfDirectorySource
 
 
 def read_gguf(path: Path, what: str = "GGUF", fix: str = "re-download the file or convert the model again"):
@@ -112,8 +117,6 @@ def _file_version(path: Path) -> str:
 def _hash_index() -> tuple[Path, dict]:
     """The remembered hashes (`$CARDFIT_CACHE/gguf/hashes.json`: file version -> sha256) and where they live;
     an unreadable index is an empty one."""
-    from ..default_model import cache_root
-
     index_path = cache_root() / "gguf" / "hashes.json"
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
@@ -125,8 +128,6 @@ def _hash_index() -> tuple[Path, dict]:
 
 
 def _write_hash_index(index_path: Path, index: dict) -> None:
-    from ..atomic import write_json
-
     try:
         write_json(index_path, index)
     except (CardfitError, OSError):
@@ -192,8 +193,6 @@ def content_hash(path: Path, fresh: bool = False) -> str:
 def converted_dir(path: Path) -> Path:
     """Where the f16 conversion of this GGUF's exact content lives in the cache: found by the content
     hash alone (a copy or a renamed file is the same model), named after the file that made it."""
-    from ..default_model import cache_root
-
     digest = content_hash(path)[:16]
     root = cache_root() / "gguf"
     made = sorted(d for d in root.glob(f"*-{digest}-f16") if (d / MANIFEST).exists()) if root.is_dir() else []
@@ -204,8 +203,6 @@ def converted_source(path: str | Path, source: "GgufSource | None" = None):
     """The GGUF at `path` as the f16 Hugging Face directory it converts to: made once per content
     (one line on stderr says so), atomically, and found again by content hash without reading the
     header. `source` is the file's GgufSource when the caller has one open already."""
-    from .hf_dir import HfDirectorySource
-
     path = Path(path)
     if not path.is_file():
         raise CardfitError(f"no GGUF file at {path}", "check the path")
@@ -216,7 +213,7 @@ def converted_source(path: str | Path, source: "GgufSource | None" = None):
         print(f"converting {path.name} to an f16 model directory, once: {target}", file=sys.stderr, flush=True)
         source.materialize(target)
         converted = HfDirectorySource(target)
-    converted.origins = (path,)  # what it was made from: outputs must not overwrite it either
+    converted.origins = (GgufOrigin(path, source),)  # what it was made from: outputs must not overwrite it
     return converted
 
 
@@ -227,8 +224,6 @@ MANIFEST_HASHED_BELOW = 64 << 20  # files under this are hashed (tokenizer, conf
 def _write_manifest(directory: Path) -> None:
     """Record every file of a finished conversion: bytes, and sha256 where small enough to check on every
     read (tokenizer and config files: milliseconds). Its presence is what makes the conversion whole."""
-    from ..atomic import write_json
-
     entries = {}
     for file in sorted(p for p in directory.iterdir() if p.is_file()):
         size = file.stat().st_size
@@ -258,10 +253,6 @@ def _cached_conversion(target: Path):
     a damaged one removed (and said so on stderr) so that it is made again: a cache entry is checked when
     it is read, never trusted because it exists. A shard's bytes changed in place at the same size are not
     seen here (hashing GBs on every run costs seconds); `check` against the reference would see them."""
-    import shutil
-
-    from .hf_dir import HfDirectorySource
-
     if not target.is_dir():
         return None
     problem = _manifest_problem(target)
@@ -273,6 +264,19 @@ def _cached_conversion(target: Path):
     print(f"the cached conversion {target} is damaged ({problem}); converting again", file=sys.stderr, flush=True)
     shutil.rmtree(target, ignore_errors=True)
     return None
+
+
+class GgufOrigin:
+    """The GGUF a model directory was converted from: its path, and its tensors, whose header is read only when
+    they are asked for (a cached conversion runs without reading it)."""
+
+    def __init__(self, path: str | Path, source: "GgufSource | None" = None):
+        self.path, self._source = Path(path), source
+
+    def tensors(self) -> list[TensorInfo]:
+        if self._source is None:
+            self._source = GgufSource(self.path)
+        return self._source.tensors()
 
 
 def _memo_whole(header) -> bool:
@@ -297,8 +301,6 @@ def _header_memo_path(path: Path) -> tuple[Path, str]:
     file's version and the transformers that derived the config."""
     import transformers
 
-    from ..default_model import cache_root
-
     key = f"{_file_version(path)}|transformers {transformers.__version__}|{HEADER_MEMO_VERSION}"
     return cache_root() / "gguf" / "headers" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"), key
 
@@ -319,8 +321,6 @@ class GgufSource(ModelSource):
     def _header(self) -> dict:
         """Config, tensor table and a few metadata keys, read once per version of the file: parsing a
         GGUF's header (its whole vocabulary, twice: gguf-py's and transformers') takes seconds."""
-        from ..atomic import write_json
-
         memo, key = _header_memo_path(self.path)
         try:
             header = json.loads(memo.read_text(encoding="utf-8"))
@@ -405,9 +405,6 @@ class GgufSource(ModelSource):
         """
         from transformers import AutoModelForCausalLM, GgufConfig
 
-        from ..atomic import atomic_directory
-        from ..text import load_tokenizer
-
         out_dir = Path(out_dir)
         with atomic_directory(out_dir, keep_whole=lambda made: _manifest_problem(made) is None) as tmp:
             try:
@@ -424,8 +421,22 @@ class GgufSource(ModelSource):
                                    f"({exc.__class__.__name__}: {exc})",
                                    "use the original model directory (safetensors) instead of the GGUF") from None
             if self.metadata("tokenizer.ggml.pre") == "smollm":
-                from ..default_model import restore_pre_tokenizer
-
                 restore_pre_tokenizer(tmp)
             _write_manifest(tmp)  # last: a conversion without one is not whole
         return out_dir
+
+
+# SmolLM's own pre-tokenizer (digits split one by one, then byte-level BPE), which its GGUF names
+# `smollm`; transformers' GGUF loader rebuilds a plain byte-level one, which tokenizes digits differently.
+SMOLLM_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
+    {"type": "Digits", "individual_digits": True},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+
+
+def restore_pre_tokenizer(model_dir: Path) -> None:
+    """Put SmolLM's own pre-tokenizer back into a conversion's tokenizer.json."""
+    path = model_dir / "tokenizer.json"
+    declared = json.loads(path.read_text(encoding="utf-8"))
+    if declared.get("pre_tokenizer") != SMOLLM_PRE_TOKENIZER:
+        declared["pre_tokenizer"] = SMOLLM_PRE_TOKENIZER
+        write_json(path, declared)

@@ -10,7 +10,7 @@ from .base import Target
 
 
 def load_bitsandbytes(path: Path, n_ctx: int = 512, device: str = "cpu"):
-    from ..runtimes import BitsAndBytesRuntime
+    from .runtimes import BitsAndBytesRuntime
 
     if not (Path(path).is_dir() and (Path(path) / "config.json").exists()):
         raise CardfitError(f"bitsandbytes quantizes a full-precision model directory at load; {path} is not one",

@@ -21,7 +21,7 @@ def llama_cpp_overhead(geometry, vram: int, context: int, settings) -> dict[str,
 
 
 def load_gguf(path: Path, n_ctx: int = 512, device: str = "cpu"):
-    from ..runtimes import GgufRuntime
+    from .runtimes import GgufRuntime
 
     return GgufRuntime(path, n_ctx)
 

@@ -12,7 +12,7 @@ from .vllm import GPU_FORMATS
 
 
 def load_transformers(path: Path, n_ctx: int = 512, device: str = "cpu"):
-    from ..runtimes import TransformersRuntime
+    from .runtimes import TransformersRuntime
 
     return TransformersRuntime(path, device)
 

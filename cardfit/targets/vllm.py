@@ -44,7 +44,7 @@ def packed_symmetric(name: str) -> bool:
 
 
 def load_vllm(path: Path, n_ctx: int = 512, device: str = "cpu"):
-    from ..runtimes import VllmRuntime
+    from .runtimes import VllmRuntime
 
     if not (Path(path).is_dir() and (Path(path) / "config.json").exists()):
         raise CardfitError(f"vLLM serves checkpoint directories; {path} is not one",

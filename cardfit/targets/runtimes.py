@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import CardfitError
+from ..errors import CardfitError
 
 
 _PARAMS_LOCK = threading.Lock()
@@ -123,7 +123,7 @@ class TransformersRuntime(Runtime):
     def __init__(self, path: str | Path, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
-        from .text import load_tokenizer
+        from ..text import load_tokenizer
 
         self.path = Path(path)
         _refuse_zero_points(self.path)
@@ -159,7 +159,7 @@ class BitsAndBytesRuntime(Runtime):
 
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-        from .text import load_tokenizer
+        from ..text import load_tokenizer
 
         self.path = Path(path)
         try:
@@ -214,7 +214,7 @@ class VllmRuntime(Runtime):
     name = "vllm"
 
     def __init__(self, path: str | Path, n_ctx: int = 512, python: str | Path | None = None):
-        from .architecture import geometry_from_config, load_config
+        from ..architecture import geometry_from_config, load_config
         from .vllm_env import vllm_python
 
         self.path = Path(path)
@@ -226,7 +226,7 @@ class VllmRuntime(Runtime):
         self.vocab_size = geometry_from_config(load_config(self.path), source=str(self.path)).vocab_size
 
     def tokenize(self, text: str) -> list[int]:
-        from .text import load_tokenizer
+        from ..text import load_tokenizer
 
         return load_tokenizer(str(self.path))(text, add_special_tokens=False).input_ids
 
@@ -280,7 +280,7 @@ def open_runtime(path: str | Path, n_ctx: int = 512, device: str = "cpu", kind: 
 
     `kind` ("gguf" or "compressed-tensors") names it when the file name cannot (a temporary name).
     """
-    from .targets import default_reader, get_target, names
+    from . import default_reader, get_target, names
 
     path = Path(path)
     if path.is_dir():

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import CardfitError
-from .groups import EMBED, LM_HEAD, NORM, GroupId
+from ..errors import CardfitError
+from ..groups import EMBED, LM_HEAD, NORM, GroupId
 
 Overrides = Mapping[str, torch.Tensor]
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16-differences": torch.float32, "bfloat16": torch.bfloat16,
@@ -37,7 +37,7 @@ DIFFERENCES = "bfloat16-differences"  # float32 layers; a scan's tracks as the r
 
 def resolve_device(requested: str = "auto") -> tuple[torch.device, str]:
     """The compute device for `--device` (auto, cpu, cuda, cuda:N) and one line saying which and why."""
-    from .quant.device import check_device
+    from ..quant.device import check_device
 
     text = str(requested).strip().lower()
     if text != "auto":
@@ -116,7 +116,7 @@ class Engine:
 
     def __init__(self, source, device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
                  gpu_memory: int | None = None, log: Callable[[str], None] | None = None):
-        from .runner import StreamedModel
+        from .streamed import StreamedModel
 
         self.device, self.device_reason = (resolve_device(device) if not isinstance(device, torch.device)
                                            else (device, f"computing on {device}"))
@@ -140,7 +140,7 @@ class Engine:
     def quantizers(self):
         """Context in which quantizers work on this engine's device under `gpu_memory` (GPTQ's arena);
         on the CPU they keep working where the weights are."""
-        from .quant.device import quantizers_on
+        from ..quant.device import quantizers_on
 
         if self.device.type != "cuda":
             return contextlib.nullcontext()

@@ -9,8 +9,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .errors import CardfitError
-from .formats.gguf_formats import GGUF_TYPES, IMATRIX_TYPES, file_type_base, llama_file_type
+from ..errors import CardfitError
+from ..formats.ggml_types import GGUF_TYPES, IMATRIX_TYPES
+from ..formats.gguf_formats import file_type_base, llama_file_type
 
 
 def _presets() -> dict[str, int]:

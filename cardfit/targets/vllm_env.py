@@ -13,8 +13,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .default_model import cache_root
-from .errors import CardfitError
+from ..cache import cache_root
+from ..errors import CardfitError
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from .formats import Calibration
-from .groups import NORM, GroupId
-from .sources import ModelSource
+from ..formats import Calibration
+from ..groups import NORM, GroupId
+from ..sources import ModelSource
 
 
 class LayerCalibration:
     def __init__(self, source: ModelSource, chunks: torch.Tensor, methods, device: str = "auto", batch: int = 4,
                  awq_samples: int = 4096, dtype: str = "auto", gpu_memory: int | None = None):
         """`methods`: one rounding or the set of them whose statistics to collect."""
-        from .engine import Engine
+        from . import Engine
 
         self.methods = {methods} if isinstance(methods, str) else set(methods)
         self.awq_samples = awq_samples
@@ -33,7 +33,7 @@ class LayerCalibration:
     @torch.no_grad()
     def statistics(self, index: int) -> dict[str, Calibration]:
         """Per-tensor statistics of decoder layer `index` on the current hidden states."""
-        from .quant.model import layer_statistics
+        from ..quant.model import layer_statistics
 
         names = [t.name for t in self.stream.groups[GroupId.layer_group(index)] if len(t.shape) == 2]
         stats = layer_statistics(self.engine, index, names, self.methods, self.hidden, self.awq_samples, seed=index)
@@ -56,7 +56,7 @@ def rounding_statistics(source: ModelSource, chunks: torch.Tensor, methods, devi
     scan takes them (measure.Scanner.calibration): each layer's from its reference inputs, an untied output
     matrix's from the final norm; the embedding has none (a lookup: ggml weighs its columns equally). Small for
     the imatrix (one vector a matrix); `record` (an imatrix.ImatrixRecord) hears every layer and the head."""
-    from .groups import LM_HEAD
+    from ..groups import LM_HEAD
 
     methods = set(methods) | ({"imatrix"} if record is not None else set())
     walk = LayerCalibration(source, chunks, methods, device, batch, dtype=dtype, gpu_memory=gpu_memory)
@@ -105,7 +105,7 @@ def unvisited_warning(names: list[str]) -> list[str]:
     rounded with an importance of one on every column, as llama-quantize rounds them."""
     if not names:
         return []
-    from .groups import expert_stack
+    from ..groups import expert_stack
 
     experts = sorted({(expert_stack(n)[0].rsplit(".experts.", 1)[0], expert_stack(n)[1]) for n in names})
     shown = ", ".join(f"{layer} expert {e}" for layer, e in experts[:3]) + (" ..." if len(experts) > 3 else "")

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .formats import Calibration
-from .head_kl import summarize, summary_bytes
-from .groups import GroupId
+from ..formats import Calibration
+from ..engine.head_kl import summarize, summary_bytes
+from ..groups import GroupId
 
 
 @dataclass
@@ -79,7 +79,7 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
     each, and every layer a walk passes one reference pass; `windows` (the single-process scan) walks the
     layer groups in measure.walk_windows' rounds, each group alone otherwise (a Ray task's walk), as
     `group_seconds` always prices them."""
-    from .groups import pending_by_group
+    from ..groups import pending_by_group
     from .measure import copy_bytes, format_batches, measured_formats, walk_windows
 
     engine, source = scanner.engine, scanner.source
@@ -172,8 +172,8 @@ def estimate_scan(scanner, groups, todo, limit: int, formats, units: dict | None
 def _differs(engine) -> bool:
     """Whether the scan's tracks will run in difference form (as far as can be known before running: a
     layer whose reference pass fails its check turns it off)."""
-    from .difference import unsupported
-    from .engine import DIFFERENCES
+    from ..engine.difference import unsupported
+    from ..engine import DIFFERENCES
 
     return getattr(engine, "compute", None) == DIFFERENCES and unsupported(engine.stream.layers[0]) is None
 
@@ -202,7 +202,7 @@ def _unit_seconds(scanner, formats, differs: bool = False) -> dict:
     forward = _median_seconds(lambda: stream.run_layer(0, hidden), sync)
     differences = {}
     if differs:
-        from .difference import DifferenceLayer
+        from ..engine.difference import DifferenceLayer
 
         form = DifferenceLayer(stream.layers[0])
         kwargs = stream.layer_kwargs(hidden.shape[0], hidden.shape[1])[0]

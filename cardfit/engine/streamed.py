@@ -20,9 +20,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .errors import CardfitError
-from .groups import EMBED, LM_HEAD, NORM, GroupId
-from .sources import HfDirectorySource, ModelSource, runnable
+from ..errors import CardfitError
+from ..groups import EMBED, LM_HEAD, NORM, GroupId
+from ..sources import HfDirectorySource, ModelSource, runnable
 
 HEAD_GROUPS = (EMBED, NORM, LM_HEAD)  # computed in float32 whatever the layers' dtype
 
@@ -38,7 +38,7 @@ class StreamedModel:
             raise CardfitError(f"{source.path} must be a model directory to run it",
                                "pass a model directory, a .gguf or a cached hub id")
         self.source = source
-        from .quant.device import check_device
+        from ..quant.device import check_device
 
         self.device = check_device(device)
         self.dtype = dtype
@@ -57,7 +57,7 @@ class StreamedModel:
         self.decoder = self.model.model
         self.layers = self.decoder.layers
         self.groups = source.groups()
-        from .checkpoint_map import placements
+        from ..checkpoint_map import placements
 
         # checkpoint name -> its place in the module tree (an expert's slice of a fused parameter)
         self.place = placements(config.model_type, [t.name for ts in self.groups.values() for t in ts],

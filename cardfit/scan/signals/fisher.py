@@ -23,7 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from .groups import EMBED, LM_HEAD, NORM, GroupId
+from ...groups import EMBED, LM_HEAD, NORM, GroupId
+from ...schemas import KL_METRIC
+from .base import Done, PricingJob, Signal
 from .sampling import sampled_or_whole, units_wanted, values_rounded, worth_sampling
 
 LOGIT_ROWS = 128  # tokens per chunk when sampling: the logits held at once are LOGIT_ROWS x vocab floats
@@ -36,8 +38,8 @@ def streamed_fisher(source, chunks: torch.Tensor, on_group: Callable[[dict[str, 
     source group at a time as each becomes final: the final norm and an untied head, the layers top
     down, then the embedding (tied, with the head's share). Samples labels batch by batch, sample by sample, token by token from one seeded
     CPU generator."""
-    from .heap import map_large_blocks
-    from .runner import StreamedModel
+    from ...engine.heap import map_large_blocks
+    from ...engine.streamed import StreamedModel
 
     map_large_blocks()  # big temporaries go back to the system when freed, not into a growing heap
     model = StreamedModel(source, device=device, dtype=torch.float32)
@@ -241,7 +243,7 @@ def expected_prices(fisher: torch.Tensor, original: torch.Tensor, unit: int, row
     32 values an i-quant gives a scale, Σ F times the largest |w| squared (a rounding error's variance goes
     with the scale squared). On the real 0.5B's matrices it tracks IQ4's error per block better than Q4_0's
     actual rounding does (docs/benchmarks.md): the actual errors of two grids are two independent draws."""
-    from .formats.gguf_formats import GGML_BLOCKS
+    from ...formats.ggml_types import GGML_BLOCKS
 
     scaled = GGML_BLOCKS["IQ4_NL"][0]  # the values one i-quant scale covers (IQ4_NL's whole block)
     parts = []
@@ -255,7 +257,7 @@ def expected_prices(fisher: torch.Tensor, original: torch.Tensor, unit: int, row
 def sampled(storage: str, values: int) -> bool:
     """Whether the cheap signal prices a matrix of `values` stored as `storage` from a sample of its blocks:
     any large matrix of a block-quantized ggml type (RTN rounds each block apart from the others)."""
-    from .formats.gguf_formats import GGML_BLOCKS
+    from ...formats.ggml_types import GGML_BLOCKS
 
     return storage in GGML_BLOCKS and GGML_BLOCKS[storage][0] > 1 and worth_sampling(values)
 
@@ -266,7 +268,8 @@ def sampled_kl(fisher: torch.Tensor, original: torch.Tensor, storage: str, seed:
     blocks drawn by their expected price (expected_prices; sampling.sampled_or_whole: whole where the sample
     cannot decide). `guide`: another price
     per block to draw by (bench/sampled_pricing.py compares)."""
-    from .formats.gguf_formats import GGML_BLOCKS, ggml_roundtrip
+    from ...formats.gguf_formats import ggml_roundtrip
+    from ...formats.ggml_types import GGML_BLOCKS
 
     unit = GGML_BLOCKS[storage][0]
     matrix = original.reshape(-1, original.shape[-1])
@@ -289,9 +292,9 @@ def fisher_cells(source, chunks: torch.Tensor, groups: list, todo: list, device:
     Fisher becomes final, its tensors read once for all its formats; then the Fisher is dropped. `statistics`:
     tensor -> the Calibration its rounding takes (rounding_statistics), needed for any rounding but RTN.
     Refuses a group the pass never reached rather than leave holes."""
-    from .errors import CardfitError
-    from .formats.ggml_lib import over_items
-    from .groups import pending_by_group
+    from ...errors import CardfitError
+    from ...formats.ggml_lib import over_items
+    from ...groups import pending_by_group
 
     pending = pending_by_group(todo)
 
@@ -362,7 +365,7 @@ def _price(fmt, tensor, fisher: torch.Tensor, weight: torch.Tensor, drawn: bool,
 def row_guide(fisher: torch.Tensor, original: torch.Tensor) -> torch.Tensor | None:
     """Each row's expected price on a scaled grid (expected_prices summed along the row), what sampled_rows_kl
     draws by; None for rows no i-quant scale divides (such a matrix is priced whole)."""
-    from .formats.gguf_formats import GGML_BLOCKS
+    from ...formats.ggml_types import GGML_BLOCKS
 
     matrix = original.reshape(-1, original.shape[-1])
     if matrix.shape[1] % GGML_BLOCKS["IQ4_NL"][0]:
@@ -395,3 +398,40 @@ def sampled_rows_kl(fisher: torch.Tensor, original: torch.Tensor, roundtrip: Cal
 
     return sampled_or_whole(guide, price, units_wanted(len(guide), matrix.shape[1]),
                             lambda: predicted_kl(weights, matrix, roundtrip(matrix)), seed)
+
+
+class FisherSignal(Signal):
+    """The streamed Fisher's predicted KL (fisher_cells), in nats; RTN and imatrix rounding."""
+
+    name = "fast"
+    help = "the streamed diagonal Fisher's predicted KL; RTN and imatrix rounding"
+    description = "fast (diagonal Fisher of sampled tokens, 1/2 dw^T F dw)"
+    metric = KL_METRIC
+
+    def prices(self, formats: list, rounding: str) -> bool:
+        return prices_rounding(formats, rounding)
+
+    def refusal(self, formats: list, rounding: str) -> str:
+        return f"the fast (Fisher) signal prices RTN and imatrix rounding, not {rounding}"
+
+    def price(self, job: PricingJob, todo: list, done: Done) -> None:
+        from ...engine import resolve_device
+
+        fisher_cells(job.source, job.chunks, job.groups, todo, str(resolve_device(job.device)[0]), job.batch, done,
+                     job.rounding, rounding_walk(job, [f for _, _, f in todo]))
+
+
+def rounding_walk(job: PricingJob, formats: list):
+    """tensor -> the Calibration the Fisher's cells round with (calibrate.rounding_statistics), from one walk
+    that also records the imatrix when asked; None where every format rounds with RTN (no walk)."""
+    from ...engine.calibrate import rounding_statistics
+
+    methods = {f.method_for(job.rounding) for f in formats} - {"rtn"}
+    if not methods:
+        return None
+    if job.log:
+        job.log(f"collecting the {'/'.join(sorted(methods))} statistics the Fisher's cells round with (one walk)")
+    statistics = rounding_statistics(job.source, job.chunks, methods, job.device, job.batch, job.dtype,
+                                     job.gpu_memory, job.record)
+    job.keep_imatrix()
+    return lambda tensor: statistics.get(tensor.name)

@@ -29,6 +29,10 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..budget import no_fit_message
+from ..errors import CardfitError
+from ..solver import Problem, minimum_bytes, optimum
+
 
 RESOLUTION = 1e-3  # a measured damage under this share of the map's largest says nothing about the signal
 
@@ -123,8 +127,6 @@ def deciding_cells(problem, budgets: list[int], choices: list[list[int]], estima
     fewer), and the estimated choices of each plan solved with every estimated cell BAND errors lower at
     once (cells each within the band that together hide a better plan). No error measured yet: the
     choices, then every cell."""
-    from .plan import _solve
-
     wanted = {(g, c) for choice in choices for g, c in enumerate(choice) if (g, c) in estimated}
     if error is None:
         return wanted or {(g, j) for g, j in estimated if problem.allowed[g, j]}
@@ -146,7 +148,7 @@ def deciding_cells(problem, budgets: list[int], choices: list[list[int]], estima
                 continue
             trial = replace(problem, damage=problem.damage.copy())
             trial.damage[g, j] = low
-            solution = _solve(trial, budget)
+            solution = optimum(trial, budget)
             if solution is not None and solution.choice[g] == j:
                 wanted.add((g, j))
     return wanted | optimist_cells(problem, budgets, estimated, slack)
@@ -155,14 +157,12 @@ def deciding_cells(problem, budgets: list[int], choices: list[list[int]], estima
 def optimist_cells(problem, budgets: list[int], estimated: set[tuple[int, int]], slack: float) -> set[tuple[int, int]]:
     """The estimated cells each budget's plan takes when every estimated damage is `slack` times lower at once:
     cells each within the band that together hide a better plan (one solve per budget)."""
-    from .plan import _solve
-
     optimist = replace(problem, damage=problem.damage.copy())
     for g, j in estimated:
         optimist.damage[g, j] /= slack
     found = set()
     for budget in budgets:
-        solution = _solve(optimist, budget)
+        solution = optimum(optimist, budget)
         if solution is not None:
             found |= {(g, c) for g, c in enumerate(solution.choice) if (g, c) in estimated}
     return found
@@ -170,9 +170,6 @@ def optimist_cells(problem, budgets: list[int], estimated: set[tuple[int, int]],
 
 def check_budgets(result: dict, budgets: list[int], reserve: int) -> None:
     """Refuse, before any work, a budget no recipe of the map's formats fits (plan's own message)."""
-    from .budget import no_fit_message
-    from .errors import CardfitError
-    from .plan import Problem, minimum_bytes
 
     sized = {**result, "groups": [{**g, "cells": {f: {"damage": 0.0} for f in result["formats"]}}
                                   for g in result["groups"]]}
@@ -186,8 +183,6 @@ def adaptive_rounds(result: dict, budgets: list[int], measure, log=None, max_rou
     """Estimate, plan at every budget (tensor bytes, checked by check_budgets), measure the deciding cells
     not yet exact (`measure({group index: [format names]})` puts a round's exact cells into result, all
     at once so they can share walks), until none is left. Returns the rounds run."""
-    from .errors import CardfitError
-    from .plan import Problem, _solve
 
     formats = result["formats"]
     for rounds in range(1, max_rounds + 1):
@@ -196,7 +191,7 @@ def adaptive_rounds(result: dict, budgets: list[int], measure, log=None, max_rou
         problem = Problem.from_map(result)
         choices = []
         for budget in budgets:
-            choices.append(_solve(problem, budget).choice)
+            choices.append(optimum(problem, budget).choice)
         estimated = {(g, j) for g, entry in enumerate(result["groups"]) for j, f in enumerate(formats)
                      if entry["cells"][f].get("method") == "estimate"}
         error = signal_error(result["groups"], formats)

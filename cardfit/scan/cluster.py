@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .atomic import write_json
-from .errors import CardfitError
-from .head_kl import ReferenceSlice, summary_bytes
-from .engine import DIFFERENCES
+from ..atomic import write_json
+from ..errors import CardfitError
+from ..engine.head_kl import ReferenceSlice, summary_bytes
+from ..engine import DIFFERENCES
 from .measure import TAIL_ROWS
 
 RETRIES = 3  # attempts after the first when the worker process of a task dies
@@ -63,16 +63,16 @@ class ScanJob:
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # this scan, for workers that serve several
 
     def activation_cache(self):
-        from .activations import ActivationCache
+        from ..engine.activations import ActivationCache
 
         budget = None if self.memory_cap is None else self.memory_cap // 2
         return ActivationCache(budget, spill_dir=tempfile.gettempdir())
 
     def scanner(self):
         """A Scanner on this worker over the job's model, with an empty activation cache."""
-        from .engine import Engine
+        from ..engine import Engine
         from .measure import Scanner
-        from .sources.hf_dir import HfDirectorySource
+        from ..sources.hf_dir import HfDirectorySource
 
         source = HfDirectorySource(Path(self.model))
         engine = Engine(source, self.device, self.dtype, self.gpu_memory)
@@ -258,8 +258,8 @@ def _worker_scanner(ray, job: ScanJob, reference_box: list):
 def _sweep_task(job: ScanJob, threads: int, index: int, formats: list[str], point_refs: list, reference_box: list):
     """Every pending cell of group `index`, measured by measure.measure_group on this worker."""
     ray = ray_module()
-    from .formats import parse_formats
-    from .groups import scan_groups
+    from ..formats import parse_formats
+    from ..groups import scan_groups
     from .measure import measure_group
 
     torch.set_num_threads(threads)
@@ -321,7 +321,7 @@ def task_memory(source, chunks: torch.Tensor, limit: int, differences: bool = Fa
     """Bytes one sweep task holds at its peak: its group's input and the final hidden states (in difference
     form the reference's input to every layer the sweep walks, at most L + 1 of them), the reference's
     summary, the quantized copies of one sweep, two float32 layers and the head."""
-    from .groups import GroupId
+    from ..groups import GroupId
 
     g = source.geometry
     hidden = chunks.numel() * g.hidden_size * 4
@@ -335,7 +335,7 @@ def task_memory(source, chunks: torch.Tensor, limit: int, differences: bool = Fa
 def reference_task_memory(source, chunks: torch.Tensor, differences: bool = False) -> int:
     """Bytes the reference pass holds at its peak: every boundary (L + 1 of them) and the reference's
     summary, each twice while Ray serializes them, two float32 layers and the head."""
-    from .groups import GroupId
+    from ..groups import GroupId
 
     g = source.geometry
     boundaries = (g.num_layers + 1) * chunks.numel() * g.hidden_size * 4
@@ -350,7 +350,7 @@ def scan_on_ray(address: str | None, workers: int | None, shared_dir: str | None
                 device: str, dtype: str, gpu_memory: int | None, memory_cap: int | None, limit: int,
                 bar=None, log=None, estimate=None) -> dict:
     """Measure `todo` on a Ray cluster and write the map as the single-process scan would."""
-    from .groups import pending_by_group
+    from ..groups import pending_by_group
     from .measure import finish, format_batches, in_map_order
 
     ray = ray_module()

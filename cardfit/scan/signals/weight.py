@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .formats import Calibration, Format
-from .groups import EMBED, LM_HEAD
+from ...formats import Calibration, Format
+from ...groups import EMBED, LM_HEAD
+from .base import Done, PricingJob, Signal
 from .sampling import sampled_or_whole, scale_guide, units_wanted, values_rounded, worth_sampling
 
 METRIC = "E||dW x||^2 per token (imatrix-weighted squared weight error), summed over the group's matrices"
@@ -48,8 +49,8 @@ def weight_cells(source, chunks: torch.Tensor, groups: list, todo: list, roundin
     """(group index, format name) -> the weight signal of every to-do cell, one layer resident at a time.
     `done(index, {format: damage})` is called as each group's cells are priced. With `record` (an
     imatrix.ImatrixRecord) the walk visits every layer and the output matrix and records their imatrix."""
-    from .calibrate import LayerCalibration
-    from .groups import pending_by_group
+    from ...engine.calibrate import LayerCalibration
+    from ...groups import pending_by_group
 
     pending = pending_by_group(todo)
     rounding_methods = {f.method_for(rounding) for _, _, f in todo} - {"rtn"}
@@ -99,7 +100,7 @@ def group_prices(source, group, formats: list[Format], rounding: str, statistics
     """{format: the weight signal of `group` under it}: each tensor read once for all formats, the formats that
     round it alike (Format.rounding_key) priced once, on a thread per format where the matrix is small; a
     tensor rounded back onto the grid its source stored it on (ModelSource.origin_types) priced whole."""
-    from .formats.ggml_lib import over_items
+    from ...formats.ggml_lib import over_items
 
     damage = dict.fromkeys((f.name for f in formats), 0.0)
     for tensor in group.quantizable:
@@ -199,3 +200,21 @@ class _EdgeStatistics:
         if tensor.group == LM_HEAD:
             return [(self.head.imatrix, None)]
         return [(None, self.frequencies)] + ([(self.head.imatrix, None)] if self.tied else [])
+
+
+class WeightSignal(Signal):
+    """The weight signal (weight_cells): imatrix-weighted squared weight error, any rounding; not in nats."""
+
+    name = "weight"
+    help = "imatrix-weighted squared weight error, one layer walk; any rounding"
+    description = "weight (imatrix-weighted squared weight error; no forward pass per cell)"
+    metric = METRIC
+    mark = "weight"
+
+    def prices(self, formats: list, rounding: str) -> bool:
+        return True
+
+    def price(self, job: PricingJob, todo: list, done: Done) -> None:
+        weight_cells(job.source, job.chunks, job.groups, todo, job.rounding, job.device, job.batch, job.dtype,
+                     job.gpu_memory, done=done, record=job.record)
+        job.keep_imatrix()

@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from .activations import ActivationCache
-from .atomic import write_json
-from .difference import head_change
-from .engine import Track
-from .formats import Calibration, Format
-from .groups import EMBED, LM_HEAD, Group, GroupId
-from .head_kl import ReferenceSlice, difference_slice_kl, one_thread, slice_kl, summarize
-from .heap import return_freed_memory
-from .metrics import DistanceMeter, kl_from_logprobs, target_nll
+from ..engine.activations import ActivationCache
+from ..atomic import write_json
+from ..engine.difference import head_change
+from ..engine import Track
+from ..formats import Calibration, Format
+from ..groups import EMBED, LM_HEAD, Group, GroupId
+from ..engine.head_kl import ReferenceSlice, difference_slice_kl, one_thread, slice_kl, summarize
+from ..engine.heap import return_freed_memory
+from ..engine.metrics import DistanceMeter, kl_from_logprobs, target_nll
 
 
 # Positions per logits slice: the head's matmul is (positions x hidden) by (hidden x vocab), and on 2 cores
@@ -127,13 +127,13 @@ class Scanner:
             return {}
         names = [t.name for t in group.quantizable]
         if 0 <= group.start < self.layers:
-            from .quant.model import layer_statistics
+            from ..quant.model import layer_statistics
 
             inputs = (self.cache.get(group.start, b) for b in range(len(self.batches)))
             stats = layer_statistics(self.engine, group.start, names, methods, inputs)
             return {n: stats.calibration(n) for n in names}
         if names and group.start >= self.layers:
-            from .calibrate import final_norm_statistics
+            from ..engine.calibrate import final_norm_statistics
 
             final = (self.cache.get(self.layers, b) for b in range(len(self.batches)))
             return dict.fromkeys(names, final_norm_statistics(self.engine, final, methods))
@@ -224,7 +224,7 @@ class Scanner:
         """Whether cells that keep the reference's head take it in difference form (difference.head_change):
         the engine computes its tracks so and the head is linear. The reference's summary then carries the
         rounded head's tail rows too (head_kl.summarize)."""
-        from .engine import DIFFERENCES
+        from ..engine import DIFFERENCES
 
         return self.engine.compute == DIFFERENCES and self.stream.linear_head
 
@@ -359,7 +359,7 @@ def walk_windows(scanner: Scanner, groups: list[Group], pending: dict[int, list[
     walk's tracks, and the decoder-layer groups walk together (measure_round) in WINDOWS rounds of
     consecutive layers: about 2.5 L reference passes for the scan instead of L²/2, the map written
     after each round."""
-    from .engine import DIFFERENCES
+    from ..engine import DIFFERENCES
 
     if not allowed or scanner.engine.compute != DIFFERENCES:
         return [(False, [item]) for item in pending.items()]

@@ -1,12 +1,8 @@
-"""Stage 2: the sensitivity map — damage of every layer group at every format.
-
-Damage of cell (g, f) = mean over calibration tokens of KL(P_ref || P_q), the next-token
-distributions of the unquantized model and of the model with only group g stored in
-format f (the format's real quantizer), measured by measure.py, or priced by a cheaper signal
-(fast: fisher.py; weight: weight_signal.py; adaptive: a signal, measured exactly where the plan is
-decided, adaptive.py). The map is written atomically after every sweep; `resume` continues a partial
-map, and the result is the same bytes as an uninterrupted scan (no timings or paths that vary are stored
-in it). `estimate.py` prices an exact scan before it starts; cluster.py spreads its sweeps over Ray.
+"""Stage 2: the sensitivity map — the damage of every group at every format, measured (measure.py: the
+KL of the output distribution with only that group quantized), priced by a cheap signal (signals/), or
+adaptive (a signal, measured where the plan is decided: adaptive.py). Written atomically as it goes; a
+resumed map is the same bytes as an uninterrupted one. estimate.py prices an exact scan; cluster.py runs
+its sweeps on Ray.
 """
 
 from __future__ import annotations
@@ -17,27 +13,35 @@ from pathlib import Path
 
 import torch
 
-from .activations import ActivationCache
-from .atomic import write_json
-from .engine import resolve_compute, resolve_device, resolve_dtype
-from .errors import CardfitError
-from .fisher import prices_rounding
-from .formats import Format, parse_formats
-from .groups import Group, pending_by_group, scan_groups
-from .heap import map_large_blocks, return_freed_memory
+from ..engine.activations import ActivationCache
+from ..atomic import write_json
+from ..engine import resolve_compute, resolve_device, resolve_dtype
+from ..errors import CardfitError
+from ..formats import Format, parse_formats
+from ..groups import Group, pending_by_group, scan_groups
+from ..engine.heap import map_large_blocks, return_freed_memory
 from .measure import (ROUND_TRACK_BYTES, RoundedAhead, Scanner, copy_bytes, finish, format_batches, in_map_order,
                       measure_group, measure_round, measured_formats, walk_windows)
-from .schemas import KL_METRIC, MAP_VERSION, model_header, same_model
-from .sources import ModelSource, open_model, runnable
-from .text import calibration_header, load_text, load_tokenizer, token_chunks
-from .weight_signal import METRIC as WEIGHT_METRIC
+from ..schemas import KL_METRIC, MAP_VERSION, model_header, same_model
+from ..sources import ModelSource, open_model, runnable
+from ..text import calibration_header, load_text, load_tokenizer, token_chunks
+from .signals import SIGNALS, PricingJob, Signal, adaptive_signal, default_signal
 
 ROUNDINGS = ("rtn", "imatrix", "gptq", "awq")
-METHODS = {"exact": "exact", "fast": "fast (diagonal Fisher of sampled tokens, 1/2 dw^T F dw)",
-           "weight": "weight (imatrix-weighted squared weight error; no forward pass per cell)",
-           "adaptive": "adaptive (a cheap signal scaled to KL per group; measured where the plan at the budgets "
-                       "is decided)"}
-SIGNALS = ("fast", "weight")  # what prices an adaptive scan's unmeasured cells
+ADAPTIVE = ("adaptive (a cheap signal scaled to KL per group; measured where the plan at the budgets "
+            "is decided)")
+
+
+def methods() -> dict[str, str]:
+    """--method word -> the map's damage.method: exact, every registered signal, adaptive."""
+    return {"exact": "exact", **{name: signal.description for name, signal in SIGNALS.items()}, "adaptive": ADAPTIVE}
+
+
+def refuse_unpriced(signal: Signal | None, fmts: list[Format], rounding: str, flag: str, also: tuple = ()) -> None:
+    """One line when `signal` cannot price `fmts` under `rounding`, naming the `flag` values that can."""
+    if signal is not None and not signal.prices(fmts, rounding):
+        others = [name for name, s in SIGNALS.items() if s.prices(fmts, rounding)] + list(also)
+        raise CardfitError(signal.refusal(fmts, rounding), f"use {flag} " + " or ".join(others))
 
 
 def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Tensor, formats: list[Format],
@@ -50,7 +54,7 @@ def map_header(source: ModelSource, text: str, text_path: Path, chunks: torch.Te
         "cardfit_map": MAP_VERSION,
         "model": model_header(source),
         "calibration": calibration_header(text, text_path, chunks),
-        "damage": {"metric": WEIGHT_METRIC if method == "weight" else KL_METRIC, "method": METHODS[method]},
+        "damage": {"metric": SIGNALS[method].metric if method in SIGNALS else KL_METRIC, "method": methods()[method]},
         "rounding": rounding,
         "compute": compute,
         "group_by": group_by,
@@ -83,7 +87,7 @@ def scan(model: str | Path | None = None, calibration: str | Path | None = None,
                    seq_len, batch, progress, method, dtype, gpu_memory, log, estimate, ray, workers, shared_dir,
                    weight_budgets, signal, imatrix_out)
     if imatrix_out is not None and not estimate:
-        from .imatrix import collect_imatrix, job_key, made_from
+        from ..imatrix import collect_imatrix, job_key, made_from
 
         if not made_from(Path(imatrix_out), job_key(result["model"], result["calibration"])):
             if log:
@@ -103,12 +107,12 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     With `ray` ('local', 'auto' or a cluster's address) the group sweeps run as Ray tasks (cluster.py),
     at most `workers` at a time; the map is the same bytes. `method='adaptive'` measures exactly only the
     cells that decide the plans at `weight_budgets` (plan's --weight-budget) and estimates the rest by
-    `signal` ('fast', the streamed Fisher, by default for RTN; 'weight' otherwise)."""
-    from .paths import guard_output, input_paths, model_paths
-    from .engine import Engine
+    `signal` (a name in signals.SIGNALS; by default the first registered that prices the rounding)."""
+    from ..paths import guard_output, input_paths, model_paths
+    from ..engine import Engine
 
-    if method not in METHODS:
-        raise CardfitError(f"unknown --method '{method}'", "use --method " + ", ".join(METHODS))
+    if method not in methods():
+        raise CardfitError(f"unknown --method '{method}'", "use --method " + ", ".join(methods()))
     if rounding not in ROUNDINGS:
         raise CardfitError(f"unknown rounding '{rounding}'", "use " + ", ".join(ROUNDINGS))
     if ray is None and (workers is not None or shared_dir is not None):
@@ -121,7 +125,7 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
                            "add --method adaptive, or drop --signal")
     if method == "adaptive" and signal is not None and signal not in SIGNALS:
         raise CardfitError(f"unknown --signal '{signal}'", "use --signal " + " or ".join(SIGNALS))
-    if estimate and method in ("fast", "weight", "adaptive"):
+    if estimate and method != "exact":
         raise CardfitError("--estimate prices the exact scan", "drop --estimate, or use --method exact")
     if ray is not None and method != "exact":
         raise CardfitError("--ray spreads the exact scan's group sweeps", "drop --ray, or use --method exact")
@@ -140,18 +144,17 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     compute = resolve_compute(dtype, resolve_device(device)[0]) if method in ("exact", "adaptive") else "float32"
     fmts = parse_formats(formats)
     if method == "adaptive" and signal is None:
-        signal = "fast" if prices_rounding(fmts, rounding) else "weight"
-    if "fast" in (method, signal) and not prices_rounding(fmts, rounding):
-        raise CardfitError(f"the fast (Fisher) signal prices RTN and imatrix rounding, not {rounding}",
-                           "use --signal weight" if method == "adaptive" else "use --method weight or exact")
+        signal = default_signal(fmts, rounding).name
+    refuse_unpriced(SIGNALS.get(signal if method == "adaptive" else method), fmts, rounding,
+                    "--signal" if method == "adaptive" else "--method", ("exact",) if method != "adaptive" else ())
     source = open_model(model)
     guard_output(out, {"the model": model_paths(source), "the calibration text": input_paths(calibration)})
     if imatrix_out is not None:
-        from .imatrix import refuse_output
+        from ..imatrix import refuse_output
 
         if estimate:
             raise CardfitError("--estimate writes nothing, --imatrix-out an imatrix", "drop one of them")
-        from .paths import distinct_outputs
+        from ..paths import distinct_outputs
 
         distinct_outputs({"--out": out, "--imatrix-out": imatrix_out})
         refuse_output(Path(imatrix_out), "--imatrix-out", replaces=False)
@@ -167,7 +170,7 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
     if out.exists() and (resume or not estimate):
         if not resume:
             raise CardfitError(f"{out} exists", "pass --resume to continue it, or choose another --out")
-        from .maps import read_map
+        from ..maps import read_map
 
         previous = read_map(out)
         if not _same_job(previous, header):
@@ -177,7 +180,7 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
         result.setdefault("compute", header["compute"])  # a map begun before the key was float32
     record = None
     if imatrix_out is not None:
-        from .imatrix import ImatrixRecord, job_key, made_for, made_from
+        from ..imatrix import ImatrixRecord, job_key, made_for, made_from
 
         job = job_key(header["model"], header["calibration"])
         if made_for(Path(imatrix_out)) not in (None, job):  # another map's imatrix: its packs would round with ours
@@ -199,17 +202,13 @@ def _scan(model, calibration, max_tokens, formats, group_by, out, resume, device
         result["warnings"] = []
     todo = [(i, g, f) for i, g in enumerate(groups) for f in fmts
             if f.name not in result["groups"][i]["cells"]]
+    job = PricingJob(source, chunks, groups, rounding, device, batch, dtype, gpu_memory, log, record, imatrix_out)
     if method == "adaptive":
-        return _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory,
-                               memory_cap, batch, weight_budgets, signal, progress, log, record, imatrix_out)
+        return _adaptive_cells(job, SIGNALS[signal], fmts, result, out, memory_cap, weight_budgets)
     if not todo and result.get("complete"):
         return {"estimate": None} if estimate else result  # a finished map of this very job: nothing to measure
-    if method == "fast":
-        return _fast_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype, gpu_memory,
-                           log, record, imatrix_out)
-    if method == "weight":
-        return _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype,
-                             gpu_memory, progress, record, imatrix_out)
+    if method in SIGNALS:
+        return _signal_cells(job, SIGNALS[method], todo, fmts, result, out, progress)
     map_large_blocks()
     engine = Engine(source, device, dtype, gpu_memory, log=log)
     budget = None if memory_cap is None else memory_cap // 2
@@ -310,50 +309,25 @@ def _progress(enabled: bool, total: int, done: int):
     return tqdm(total=total, initial=done, unit="cell", dynamic_ncols=True, disable=None)
 
 
-def _fast_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype, gpu_memory, log,
-                record=None, imatrix_out=None) -> dict:
-    """Every cell from one streamed Fisher estimate (fisher.py): ½ Σ F δw² over the group's tensors, no
-    model runs per cell."""
-    from .fisher import fisher_cells
-
-    clock = PricingClock(groups, todo, log)
+def _signal_cells(job: PricingJob, signal: Signal, todo: list, fmts: list[Format], result: dict, out: Path,
+                  progress: bool) -> dict:
+    """Every to-do cell priced by `signal`, no model run per cell; the map is written after each group as the
+    exact scan's is, so an interrupted run resumes."""
+    clock = PricingClock(job.groups, todo, job.log)
+    bar = _progress(progress, len(job.groups) * len(fmts), len(job.groups) * len(fmts) - len(todo))
+    mark = {} if signal.mark is None else {"method": signal.mark}
 
     def done(index: int, priced: dict) -> None:
         clock.priced(index)
-        result["groups"][index]["cells"].update({name: {"damage": damage, "stderr": None, "top1": None}
-                                                 for name, damage in priced.items()})
-
-    statistics = _fisher_statistics(source, chunks, [f for _, _, f in todo], rounding, device, batch, dtype,
-                                    gpu_memory, log, record, imatrix_out)
-    fisher_cells(source, chunks, groups, todo, str(resolve_device(device)[0]), batch, done, rounding, statistics)
-    for entry in result["groups"]:
-        entry["cells"] = in_map_order(entry["cells"], fmts)
-    result["separable_fraction"] = None
-    result["complete"] = True
-    write_json(out, result)
-    return result
-
-
-def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, device, batch, dtype, gpu_memory,
-                  progress, record=None, imatrix_out=None) -> dict:
-    """Every cell from the weight signal (weight_signal.py), one layer walk; the map is written after each
-    group as the exact scan's is, so an interrupted run resumes."""
-    from .weight_signal import weight_cells
-
-    bar = _progress(progress, len(groups) * len(fmts), len(groups) * len(fmts) - len(todo))
-
-    def done(index: int, priced: dict) -> None:
         cells = result["groups"][index]["cells"]
-        cells.update({name: {"damage": damage, "stderr": None, "top1": None, "method": "weight"}
-                      for name, damage in priced.items()})
+        cells.update({name: {"damage": damage, "stderr": None, "top1": None, **mark} for name, damage in priced.items()})
         result["groups"][index]["cells"] = in_map_order(cells, fmts)
         write_json(out, result)
         if bar:
             bar.update(len(priced))
 
     try:
-        weight_cells(source, chunks, groups, todo, rounding, device, batch, dtype, gpu_memory, done=done, record=record)
-        _keep_imatrix(record, imatrix_out)
+        signal.price(job, todo, done)
     finally:
         if bar:
             bar.close()
@@ -361,27 +335,6 @@ def _weight_cells(source, chunks, groups, todo, fmts, result, out, rounding, dev
     result["complete"] = True
     write_json(out, result)
     return result
-
-
-def _fisher_statistics(source, chunks, fmts, rounding, device, batch, dtype, gpu_memory, log, record, imatrix_out):
-    """tensor -> the Calibration the Fisher's cells round with (calibrate.rounding_statistics), from one walk
-    that also records the imatrix when asked; None where every format rounds with RTN (no walk)."""
-    from .calibrate import rounding_statistics
-
-    methods = {f.method_for(rounding) for f in fmts} - {"rtn"}
-    if not methods:
-        return None
-    if log:
-        log(f"collecting the {'/'.join(sorted(methods))} statistics the Fisher's cells round with (one walk)")
-    statistics = rounding_statistics(source, chunks, methods, device, batch, dtype, gpu_memory, record)
-    _keep_imatrix(record, imatrix_out)
-    return lambda tensor: statistics.get(tensor.name)
-
-
-def _keep_imatrix(record, imatrix_out) -> None:
-    """Write the imatrix a pricing walk recorded, if it walked the whole model."""
-    if record is not None and record.whole():
-        record.write(Path(imatrix_out))
 
 
 class PricingClock:
@@ -433,28 +386,26 @@ def _say_round_time(scanner, groups, todo: dict[int, list[str]], by_name: dict, 
     return guess.unit_seconds
 
 
-def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device, dtype, gpu_memory, memory_cap,
-                    batch, weight_budgets, signal, progress, log, record=None, imatrix_out=None) -> dict:
-    """The adaptive scan (adaptive.py): every cell's cheap signal (fast: the streamed Fisher; weight: the
-    weight signal), then exact cells where the plans at the budgets are decided, the map written after
-    every group; a resumed run keeps both."""
+def _adaptive_cells(job: PricingJob, signal: Signal, fmts: list[Format], result: dict, out: Path,
+                    memory_cap: int | None, weight_budgets: list[int]) -> dict:
+    """The adaptive scan (adaptive.py): every cell's cheap `signal`, then exact cells where the plans at the
+    budgets are decided, the map written after every group; a resumed run keeps both."""
     from .adaptive import adaptive_rounds, check_budgets
-    from .engine import Engine
-    from .fisher import fisher_cells
-    from .pack import reserve_bytes
-    from .weight_signal import weight_cells
+    from ..engine import Engine
+    from ..pack import reserve_bytes
 
+    source, groups, log = job.source, job.groups, job.log
     budgets = sorted(set(weight_budgets), reverse=True)
     before = result.get("adaptive", {})
-    priced_by = before.get("signal", "weight") if before else signal  # maps before the key: the weight signal
-    if priced_by != signal:
+    priced_by = adaptive_signal(result) or signal.name
+    if priced_by != signal.name:
         raise CardfitError(f"{out} was priced by the {priced_by} signal",
                            f"resume with --signal {priced_by}, or choose another --out")
     if result.get("complete") and before.get("weight_budgets") == budgets:
         return result
     reserve = reserve_bytes(source, result["runtime"])
     check_budgets(result, budgets, reserve)
-    result["adaptive"] = {"signal": signal, "weight_budgets": budgets}
+    result["adaptive"] = {"signal": signal.name, "weight_budgets": budgets}
     result["complete"] = False
     unsigned = [(i, g, f) for i, g in enumerate(groups) for f in fmts
                 if "signal" not in result["groups"][i]["cells"].get(f.name, {})]
@@ -471,20 +422,12 @@ def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device,
             write_json(out, result)
 
         if log:
-            log(f"pricing {len(unsigned)} cells by the {signal} signal")
-        if signal == "fast":
-            statistics = _fisher_statistics(source, chunks, fmts, rounding, device, batch, dtype, gpu_memory, log,
-                                            record, imatrix_out)
-            fisher_cells(source, chunks, groups, unsigned, str(resolve_device(device)[0]), batch, signed, rounding,
-                         statistics)
-        else:
-            weight_cells(source, chunks, groups, unsigned, rounding, device, batch, dtype, gpu_memory, done=signed,
-                         record=record)
-            _keep_imatrix(record, imatrix_out)
+            log(f"pricing {len(unsigned)} cells by the {signal.name} signal")
+        signal.price(job, unsigned, signed)
     map_large_blocks()
-    engine = Engine(source, device, dtype, gpu_memory, log=log)
+    engine = Engine(source, job.device, job.dtype, job.gpu_memory, log=log)
     cache = ActivationCache(None if memory_cap is None else memory_cap // 2, spill_dir=out.parent)
-    scanner = Scanner(source, engine, chunks, batch, cache, rounding)
+    scanner = Scanner(source, engine, job.chunks, job.batch, cache, job.rounding)
     by_name = {f.name: f for f in fmts}
     track_bytes = ROUND_TRACK_BYTES if memory_cap is None else memory_cap // 4
     reference = None
@@ -521,6 +464,6 @@ def _adaptive_cells(source, chunks, groups, fmts, result, out, rounding, device,
     return result
 
 
-from .stage import callable_stage  # noqa: E402
+from ..stage import callable_stage  # noqa: E402
 
 callable_stage(__name__)
