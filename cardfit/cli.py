@@ -180,8 +180,9 @@ def scan_command(
     gpu = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
     budgets = [parse_bytes(b, "--weight-budget/--size") for b in weight_budget.split(",")] if weight_budget else None
     with holding({"--out": None if estimate else out, "--imatrix-out": imatrix_out}, "scan"):
-        result = scan(model, calibration, max_tokens, formats, group_by, out, resume, device, cap, rounding,
-                      seq_len, batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
+        result = scan(model, calibration=calibration, max_tokens=max_tokens, formats=formats, group_by=group_by,
+                      out=out, resume=resume, device=device, memory_cap=cap, rounding=rounding, seq_len=seq_len,
+                      batch=batch, progress=True, method=method, dtype=dtype, gpu_memory=gpu,
                       log=typer.echo, estimate=estimate, ray=ray, workers=workers, shared_dir=shared_dir,
                       weight_budgets=budgets, signal=signal, imatrix_out=imatrix_out)
     if estimate:

@@ -276,8 +276,8 @@ def compare(model: str | Path | None = None, out: str | Path = "compare-out", ma
                 cache.record(path, key)
             if log:
                 log(f"{what} {formats} ({rounding}) over {scan_tokens} tokens -> {path}")
-            scan(model, None, scan_tokens, formats, "layer", path, resume=True, rounding=rounding, seq_len=seq_len,
-                 progress=progress, method=method)
+            scan(model, max_tokens=scan_tokens, formats=formats, group_by="layer", out=path, resume=True,
+                 rounding=rounding, seq_len=seq_len, progress=progress, method=method)
 
         from .maps import read_map
 

@@ -232,8 +232,8 @@ def fit(model: str | Path | None = None, vram: str | int | None = None, context:
         if rounding != asked:
             _say(log, f"{map_path} was begun with {rounding} rounding: resumed as it was begun (a new --out "
                       f"scans {asked} rounding)")
-        sensitivity = scan(model, calibration, max_tokens, formats, group_by, map_path,
-                           resume=True, device=device, seq_len=seq_len, progress=progress,
+        sensitivity = scan(model, calibration=calibration, max_tokens=max_tokens, formats=formats, group_by=group_by,
+                           out=map_path, resume=True, device=device, seq_len=seq_len, progress=progress,
                            log=(lambda line: _say(log, line)) if log else None, ray=ray, workers=workers,
                            method=scan_method, weight_budgets=budgets if scan_method == "adaptive" else None,
                            rounding=rounding, imatrix_out=imatrix,

@@ -197,7 +197,7 @@ def test_bfloat16_layers_keep_coarse_cells_and_float32_stays_the_default(tmp_pat
     from cardfit.engine import resolve_dtype
     from cardfit.scan import scan
 
-    common = dict(max_tokens=256, formats="Q8_0,Q2_K", seq_len=256, progress=False, device="cpu")
+    common = dict(max_tokens=128, formats="Q8_0,Q2_K", seq_len=128, progress=False, device="cpu")
     f32 = scan(None, None, out=tmp_path / "f32.json", dtype="float32", **common)
     bf16 = scan(None, None, out=tmp_path / "bf16.json", dtype="bfloat16", **common)
     for a, b in zip(f32["groups"], bf16["groups"]):
@@ -208,7 +208,7 @@ def test_bfloat16_layers_keep_coarse_cells_and_float32_stays_the_default(tmp_pat
     assert floor > 3 * typical  # the floor the docs report: bf16 cannot price near-lossless formats
     assert resolve_dtype("auto") == torch.float32
     # bfloat16 products of the changes only (difference.py): every cell the float32 one's, Q8_0 included
-    # (measured: within 0.31 %); 256 tokens in one chunk have no standard error, so 1 % it is
+    # (measured: within 0.31 %); 128 tokens in one chunk have no standard error, so 1 % it is
     differences = scan(None, None, out=tmp_path / "differences.json", dtype="bfloat16-differences", **common)
     for a, b in zip(f32["groups"], differences["groups"]):
         for name, cell in a["cells"].items():

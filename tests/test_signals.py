@@ -18,13 +18,13 @@ def test_every_registered_signal_is_a_scan_method_a_fit_method_and_in_the_help(r
     code, scan_help, _ = run_cli("scan", "--help")
     code2, fit_help, _ = run_cli("fit", "--help")
     assert code == code2 == 0
-    flat = " ".join(scan_help.replace("│", " ").split()), " ".join(fit_help.replace("│", " ").split())
+    flat = ["".join(text.replace("│", " ").split()) for text in (scan_help, fit_help)]  # however the help wraps
     assert list(SIGNALS) == ["fast", "weight", "magnitude"]
     for name, signal in SIGNALS.items():
         assert methods()[name] == signal.description and signal.description.split(" ")[0] == name
         assert name in scan_methods()
-        assert f"{name} ({signal.help})" in flat[0]
-        assert name in flat[1]
+        assert "".join(f"{name} ({signal.help})".split()) in flat[0]
+    assert "".join((", ".join(SIGNALS) + ": plan on that signal's prices alone").split()) in flat[1]
 
 
 def test_the_default_signal_is_the_first_that_prices_the_rounding():
