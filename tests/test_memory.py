@@ -18,7 +18,7 @@ MIB = 2**20
 PROBE = r"""
 import json, sys
 from pathlib import Path
-import cardfit.pack, llama_cpp
+import cardfit.pack, cardfit.plan, cardfit.scan, llama_cpp  # every stage's modules imported before the baseline
 from cardfit.formats import ggml_lib
 from cardfit.engine.streamed import StreamedModel
 from cardfit.sources import open_model

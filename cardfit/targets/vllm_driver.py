@@ -19,6 +19,9 @@ import os
 import sys
 import time
 
+# Run as a script, this file's folder (cardfit/targets/) heads sys.path, and its vllm.py would stand in for vLLM.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
 
 def _engine(job: dict):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 1)))
