@@ -83,8 +83,8 @@ def _scanned(path: Path) -> tuple[str | None, str | None, str | None]:
         signal = adaptive_signal(data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None, None, None
-    method = method.split(" ", 1)[0] if isinstance(method, str) and method.split(" ", 1)[0] in scan_methods() else None
-    return method, rounding if isinstance(rounding, str) else None, signal
+    word = method.split(" ", 1)[0] if isinstance(method, str) else None  # damage.method's first word names it
+    return word if word in scan_methods() else None, rounding if isinstance(rounding, str) else None, signal
 
 
 def parse_sizes(sizes: str | list[int]) -> list[tuple[str, int]]:
